@@ -1,0 +1,149 @@
+"""The front door: ``jaxdist.parallelize``."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from jax import tree_util
+
+from jaxdist import errors
+from jaxdist import methods as m
+from jaxdist.executable import Executable, compile_layout, make_plan
+from jaxdist.layouts import data_parallel_layout
+from jaxdist.mesh import LogicalMesh
+from jaxdist.trace import is_array_leaf, leaf_signature, trace_step
+
+
+def parallelize(fun: Callable | None = None, *, method: m.Method | None = None,
+                static_argnums: str | int | tuple[int, ...] = "auto",
+                donate_argnums: str | int | tuple[int, ...] = "auto",
+                batch_argnums: int | tuple[int, ...] = (1,)):
+  """Parallelizes a single-device training step.
+
+  The first call traces the step, plans its layout with ``method`` and compiles it;
+  later calls with the same argument shapes and dtypes (and equal static arguments)
+  reuse the compiled step without tracing again. A new shape compiles a new one.
+
+  Args:
+    fun: the step, e.g. ``train_step(state, batch) -> (state, metrics)``.
+    method: a method object such as ``jaxdist.DataParallel()``; default
+      ``DataParallel()``.
+    static_argnums: ``"auto"`` (an argument with no array leaves is passed as a
+      Python value: ints, strings, None, callables) or explicit argument numbers.
+    donate_argnums: ``"auto"`` (every non-batch argument the step returns updated,
+      such as the train state) or explicit argument numbers; ``()`` donates nothing.
+    batch_argnums: arguments whose every leaf is split on dim 0.
+
+  Returns:
+    A :class:`ParallelizedFunc` (or a decorator making one, if ``fun`` is None).
+
+  Raises:
+    InvalidArgumentError: ``method`` is not a method object, or an argnums is malformed.
+  """
+  if fun is None:
+    return functools.partial(parallelize, method=method, static_argnums=static_argnums,
+                             donate_argnums=donate_argnums, batch_argnums=batch_argnums)
+  return ParallelizedFunc(fun, method, static_argnums, donate_argnums, batch_argnums)
+
+
+def _argnums(name: str, value, allow_auto: bool):
+  if allow_auto and value == "auto":
+    return "auto"
+  if isinstance(value, int) and not isinstance(value, bool):
+    value = (value,)
+  if (not isinstance(value, (tuple, list))
+      or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)):
+    valid = '"auto", ' if allow_auto else ""
+    raise errors.InvalidArgumentError(
+        f"{name}={value!r} is not valid: use {valid}a non-negative int or a tuple of them.")
+  return tuple(sorted(set(value)))
+
+
+class ParallelizedFunc:
+  """A step wrapped by :func:`parallelize`; call it like the original function."""
+
+  def __init__(self, fun, method, static_argnums, donate_argnums, batch_argnums):
+    if method is None:
+      method = m.DataParallel()
+    if not isinstance(method, m.Method):
+      raise errors.InvalidArgumentError(
+          f"method={method!r} is not a jaxdist method; use one of jaxdist.DataParallel(), "
+          f"jaxdist.Zero2Parallel(), jaxdist.Zero3Parallel().")
+    self.fun = fun
+    self.method = method
+    self.static_argnums = _argnums("static_argnums", static_argnums, allow_auto=True)
+    self.donate_argnums = _argnums("donate_argnums", donate_argnums, allow_auto=True)
+    self.batch_argnums = _argnums("batch_argnums", batch_argnums, allow_auto=False)
+    self._executables: dict[Any, Executable] = {}
+    self._logical_mesh = None
+    functools.update_wrapper(self, fun)
+
+  def __call__(self, *args):
+    exe, dyn_leaves = self._lookup(args)
+    return exe.call_flat(dyn_leaves)
+
+  def get_executable(self, *args) -> Executable:
+    """The compiled step for these arguments (compiling it on first use)."""
+    return self._lookup(args)[0]
+
+  def _lookup(self, args):
+    static = self._static_argnums(args)
+    dyn_leaves, dyn_tree = tree_util.tree_flatten(
+        tuple(a for i, a in enumerate(args) if i not in static))
+    try:
+      key = (len(args), static, tuple(args[i] for i in static), dyn_tree,
+             tuple(leaf_signature(x) for x in dyn_leaves))
+      exe = self._executables.get(key)
+    except (TypeError, AttributeError):
+      key, exe = None, None  # an unhashable static or a non-array leaf: _compile reports it
+    if exe is None:
+      exe = self._compile(args, static)
+      if key is not None:
+        self._executables[key] = exe
+    return exe, dyn_leaves
+
+  def _static_argnums(self, args) -> tuple[int, ...]:
+    for b in self.batch_argnums:
+      if b >= len(args):
+        raise errors.BatchArgnumsError(
+            f"batch_argnums={self.batch_argnums!r} names argument {b}, but the step was called "
+            f"with {len(args)} arguments; valid argument numbers are 0..{len(args) - 1}.")
+    if self.static_argnums != "auto":
+      bad = [s for s in self.static_argnums if s >= len(args) or s in self.batch_argnums]
+      if bad:
+        raise errors.InvalidArgumentError(
+            f"static_argnums={self.static_argnums!r}: {bad} is out of range for {len(args)} "
+            f"arguments or is also a batch argument.")
+      return self.static_argnums
+    return tuple(i for i, a in enumerate(args)
+                 if i not in self.batch_argnums
+                 and not any(is_array_leaf(x) for x in tree_util.tree_leaves(a)))
+
+  def _compile(self, args, static):
+    for i in static:
+      try:
+        hash(args[i])
+      except TypeError:
+        raise errors.InvalidArgumentError(
+            f"argument {i} ({type(args[i]).__name__}) holds no arrays, so it is static, but it "
+            f"is not hashable; pass it as a hashable value (tuple, frozen dataclass) or make it "
+            f"hold arrays.") from None
+    for b in self.batch_argnums:
+      if not any(is_array_leaf(x) for x in tree_util.tree_leaves(args[b])):
+        raise errors.NonArrayLeafError(
+            f"batch argument {b} ({args[b]!r:.60}) holds no arrays; batch arguments must be "
+            f"arrays or pytrees of arrays with a leading batch dimension.")
+    lmesh = self._mesh()
+    step = trace_step(self.fun, args, static, self.batch_argnums, self.donate_argnums)
+    layout = data_parallel_layout(self.method, step, lmesh)
+    compiled = compile_layout(step, layout)
+    plan = make_plan(self.method.name, step, layout, num_micro_batches=1)
+    dyn_argnums = tuple(i for i in range(len(args)) if i not in static)
+    return Executable(step, layout, compiled, plan, dyn_argnums)
+
+  def _mesh(self) -> LogicalMesh:
+    if self._logical_mesh is None:
+      self._logical_mesh = LogicalMesh.from_devices(self.method.devices)
+    return self._logical_mesh

@@ -1,0 +1,131 @@
+"""What a compile returns: a callable, introspectable compiled step."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax import tree_util
+from jax.sharding import NamedSharding
+
+from jaxdist import inspect as hlo_inspect
+from jaxdist.layouts import Layout
+from jaxdist.plan import Plan, PlanEntry
+from jaxdist.trace import TracedStep
+
+
+def place(x, sharding: NamedSharding, donated: bool = False):
+  """Puts one leaf in ``sharding``; a no-op for an array that already is.
+
+  A jax.Array that is about to be donated is copied when it moves: ``device_put``
+  reuses the caller's buffer for device 0's shard of a replicated result (even with
+  ``may_alias=False`` on jax 0.10.2), and the donation would delete the caller's array.
+
+  In a multi-process job a host value (numpy, a Python number, a process-local array)
+  is taken to be the *global* value, identical on every process, and each process
+  contributes its addressable shards.
+  """
+  if isinstance(x, jax.Array):
+    if x.sharding == sharding:
+      return x
+    if jax.process_count() == 1 or not x.is_fully_addressable:
+      return jax.device_put(x.copy() if donated else x, sharding)
+  if jax.process_count() == 1:
+    return jax.device_put(x, sharding)
+  host = np.asarray(x)
+  return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+class Executable:
+  """A step compiled for one abstract signature of its arguments.
+
+  Attributes:
+    plan: the :class:`~jaxdist.plan.Plan` it was compiled from.
+    input_shardings: pytree (of the dynamic arguments) of ``NamedSharding``.
+    output_shardings: pytree (of the step's outputs) of ``NamedSharding``.
+    auto_sharding_objective: the shard planner's objective in seconds, or None for
+      methods with fixed layouts.
+  """
+
+  def __init__(self, step: TracedStep, layout: Layout, compiled, plan: Plan,
+               dyn_argnums: tuple[int, ...]):
+    self._step = step
+    self._compiled = compiled
+    self._dyn_argnums = dyn_argnums
+    self._donated = tuple(leaf.argnum in step.donated_argnums for leaf in step.inputs)
+    mesh = layout.logical_mesh.mesh
+    self._in_shardings = tuple(NamedSharding(mesh, s) for s in layout.in_specs)
+    self._out_shardings = tuple(NamedSharding(mesh, s) for s in layout.out_specs)
+    self.plan = plan
+    self.auto_sharding_objective = plan.objective
+    self.input_shardings = tree_util.tree_unflatten(step.in_tree, self._in_shardings)
+    self.output_shardings = tree_util.tree_unflatten(step.out_tree, self._out_shardings)
+    self._communication = None
+
+  def __call__(self, *args):
+    leaves = tree_util.tree_leaves(tuple(args[i] for i in self._dyn_argnums))
+    return self.call_flat(leaves)
+
+  def call_flat(self, leaves):
+    """Runs the step on the flat dynamic leaves; returns the output pytree."""
+    placed = [place(x, s, d) for x, s, d in zip(leaves, self._in_shardings, self._donated)]
+    out = self._compiled(*placed)
+    return tree_util.tree_unflatten(self._step.out_tree, out)
+
+  def get_hlo_text(self) -> str:
+    """The optimized, partitioned HLO module XLA compiled."""
+    return self._compiled.as_text()
+
+  def memory_analysis(self):
+    """As ``jax.stages.Compiled.memory_analysis()`` (per device)."""
+    return self._compiled.memory_analysis()
+
+  def cost_analysis(self):
+    """As ``jax.stages.Compiled.cost_analysis()`` (per device)."""
+    return self._compiled.cost_analysis()
+
+  def get_total_allocation_size(self) -> int:
+    """Bytes per device: arguments + outputs − aliased (donated) + temporaries.
+
+    The CPU compiler's ``peak_memory_in_bytes`` leaves temporaries out, so the sum is
+    formed here from the compiler's own components.
+    """
+    m = self._compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+               + m.temp_size_in_bytes)
+
+  def communication(self) -> dict[str, hlo_inspect.CollectiveStats]:
+    """Collectives per step, loop-aware: kind → count, result bytes and wire bytes."""
+    if self._communication is None:
+      self._communication = hlo_inspect.collective_summary(self.get_hlo_text())
+    return self._communication
+
+
+def make_plan(method_name: str, step: TracedStep, layout: Layout, num_micro_batches: int,
+              objective: float | None = None, mesh_objectives=None) -> Plan:
+  lmesh = layout.logical_mesh
+  entries = tuple(PlanEntry(leaf.path, leaf.shape, str(leaf.dtype), leaf.role, spec)
+                  for leaf, spec in zip(step.inputs, layout.in_specs))
+  return Plan(method=method_name, mesh_shape=lmesh.shape, axis_names=lmesh.axis_names,
+              inputs=entries, num_micro_batches=num_micro_batches, notes=layout.notes,
+              objective=objective, mesh_objectives=dict(mesh_objectives or {}))
+
+
+def compile_layout(step: TracedStep, layout: Layout):
+  """jax.jit of the traced step with the layout's shardings; returns the Compiled."""
+  mesh = layout.logical_mesh.mesh
+  in_shardings = tuple(NamedSharding(mesh, s) for s in layout.in_specs)
+  out_shardings = tuple(NamedSharding(mesh, s) for s in layout.out_specs)
+  donated = {k for k, leaf in enumerate(step.inputs) if leaf.argnum in step.donated_argnums}
+  flat_fun = jax.extend.core.jaxpr_as_fun(step.closed_jaxpr)
+  constraints = [None if c is None else NamedSharding(mesh, c) for c in layout.out_constraints]
+
+  def run(*leaves):
+    outs = flat_fun(*leaves)
+    return tuple(o if c is None else jax.lax.with_sharding_constraint(o, c)
+                 for o, c in zip(outs, constraints))
+
+  jitted = jax.jit(run, in_shardings=in_shardings, out_shardings=out_shardings,
+                   donate_argnums=tuple(sorted(donated)))
+  args = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s)
+          for leaf, s in zip(step.inputs, in_shardings)]
+  return jitted.lower(*args).compile()

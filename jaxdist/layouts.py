@@ -1,0 +1,125 @@
+"""Fixed layouts for DataParallel, Zero2Parallel and Zero3Parallel.
+
+A :class:`Layout` is the one type handed from a planner to the compiler: the mesh and a
+``PartitionSpec`` per input and output leaf. For these methods it follows from the
+roles in :class:`~jaxdist.trace.TracedStep` alone; XLA's partitioner inserts the
+collectives (gradient all-reduce, parameter all-gather).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax.sharding import PartitionSpec
+
+from jaxdist import errors
+from jaxdist import methods as m
+from jaxdist.mesh import LogicalMesh
+from jaxdist.trace import BATCH, OPTIMIZER, PARAM, TracedStep
+
+REPLICATED = PartitionSpec()
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Shardings chosen for one traced step.
+
+  Attributes:
+    logical_mesh: the mesh the step runs on.
+    in_specs: per dynamic input leaf, its sharding between steps.
+    out_specs: per output leaf, its sharding.
+    out_constraints: per output leaf, a sharding the value is computed in before it is
+      moved to its ``out_specs`` sharding, or None. Zero2 computes each device's slice
+      of the updated parameters and all-gathers it into the output buffer, so no
+      gathered copy of the whole update lives in temporary memory.
+    notes: remarks for the plan (leaves left replicated and why).
+  """
+
+  logical_mesh: LogicalMesh
+  in_specs: tuple[PartitionSpec, ...]
+  out_specs: tuple[PartitionSpec, ...]
+  out_constraints: tuple[PartitionSpec | None, ...]
+  notes: tuple[str, ...] = ()
+
+
+def batch_spec(lmesh: LogicalMesh) -> PartitionSpec:
+  """Dim 0 split over every mesh axis."""
+  names = lmesh.axis_names
+  return PartitionSpec(names[0] if len(names) == 1 else tuple(names))
+
+
+def check_batch_divisible(step: TracedStep, parts: int, what: str) -> None:
+  """Raises BatchDivisibilityError unless every batch leaf's dim 0 divides by ``parts``."""
+  for leaf in step.inputs:
+    if leaf.role != BATCH:
+      continue
+    if not leaf.shape:
+      raise errors.BatchDivisibilityError(
+          f"batch argument leaf {leaf.path} is a scalar; batch leaves need a leading batch "
+          f"dimension. Remove argument {leaf.argnum} from batch_argnums or give it one.")
+    if leaf.shape[0] % parts:
+      raise errors.BatchDivisibilityError(
+          f"batch argument leaf {leaf.path} has shape {leaf.shape}: dim 0 = {leaf.shape[0]} "
+          f"does not divide over {what} ({parts}); use a batch size that is a multiple of "
+          f"{parts}.")
+
+
+def shard_largest_dim(shape: tuple[int, ...], lmesh: LogicalMesh) -> PartitionSpec | None:
+  """Splits the largest dimension divisible by the device count over all mesh axes.
+
+  Returns None if no dimension divides.
+  """
+  n = lmesh.num_devices
+  dims = [d for d in range(len(shape)) if shape[d] % n == 0 and shape[d] >= n]
+  if not dims:
+    return None
+  d = max(dims, key=lambda i: (shape[i], -i))
+  axes = batch_spec(lmesh)[0]
+  return PartitionSpec(*([None] * d + [axes]))
+
+
+def data_parallel_layout(method: m.Method, step: TracedStep, lmesh: LogicalMesh) -> Layout:
+  """Layout for DataParallel (no sharded state), Zero2 (optimizer) or Zero3 (all state)."""
+  check_batch_divisible(step, lmesh.num_devices, f"the {lmesh.num_devices} devices")
+  if isinstance(method, m.Zero3Parallel):
+    sharded_roles = {PARAM, OPTIMIZER}
+  elif isinstance(method, m.Zero2Parallel):
+    sharded_roles = {OPTIMIZER}
+  else:
+    sharded_roles = set()
+
+  notes = []
+  if isinstance(method, m.Zero2Parallel) and not step.roles_from_loss:
+    notes.append("the step returns no batch-dependent value (such as the loss), so parameters "
+                 "could not be told from optimizer state: all state is kept replicated.")
+  unsharded = []
+  in_specs = []
+  for leaf in step.inputs:
+    if leaf.role == BATCH:
+      in_specs.append(batch_spec(lmesh))
+    elif leaf.role in sharded_roles:
+      spec = shard_largest_dim(leaf.shape, lmesh)
+      if spec is None:
+        unsharded.append(f"{leaf.path} {leaf.shape}")
+        spec = REPLICATED
+      in_specs.append(spec)
+    else:
+      in_specs.append(REPLICATED)
+  if unsharded:
+    notes.append(f"{len(unsharded)} leaves have no dimension divisible by "
+                 f"{lmesh.num_devices} and stay replicated: " + ", ".join(unsharded))
+
+  out_specs, out_constraints = [], []
+  for k, aval in enumerate(step.out_avals):
+    src = step.output_source[k]
+    zero2_param = (isinstance(method, m.Zero2Parallel) and src is not None
+                   and step.inputs[src].role == PARAM)
+    out_constraints.append(shard_largest_dim(aval.shape, lmesh) if zero2_param else None)
+    if src is not None:
+      out_specs.append(in_specs[src])
+    elif (step.depends_on_batch[k] and aval.shape and step.batch_size is not None
+          and aval.shape[0] == step.batch_size):
+      out_specs.append(batch_spec(lmesh))
+    else:
+      out_specs.append(REPLICATED)
+  return Layout(lmesh, tuple(in_specs), tuple(out_specs), tuple(out_constraints), tuple(notes))

@@ -1,0 +1,267 @@
+"""Trace a user's step once and describe its inputs and outputs.
+
+The result, :class:`TracedStep`, is what every planner reads: the jaxpr, the pytree
+structures, and per input leaf its path, abstract value and role:
+
+- ``batch``: a leaf of a ``batch_argnums`` argument;
+- ``param``: state the forward computation consumes (the loss depends on it);
+- ``optimizer``: state that is only updated (optimizer moments, step counters);
+- ``input``: any other array argument (an RNG key, a learning rate), not returned.
+
+State is told from other inputs by what the step returns: a non-batch argument whose
+pytree structure and shapes reappear in the outputs is updated state. Parameters are
+told from optimizer state by data flow in the jaxpr, never by names, so any optax
+optimizer and any pytree layout works.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect as pyinspect
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+import numpy as np
+from jax import tree_util
+
+from jaxdist import errors
+
+BATCH, PARAM, OPTIMIZER, INPUT = "batch", "param", "optimizer", "input"
+
+_PY_SCALAR_DTYPES = {bool: np.dtype(bool), int: np.dtype(np.int32), float: np.dtype(np.float32),
+                     complex: np.dtype(np.complex64)}
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafInfo:
+  """One array leaf of the step's dynamic arguments."""
+
+  path: str
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  argnum: int
+  role: str
+
+  @property
+  def nbytes(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class TracedStep:
+  """A step traced once for one abstract signature.
+
+  Attributes:
+    closed_jaxpr: the step on flat leaves (dynamic input leaves → output leaves).
+    in_tree: treedef of the tuple of dynamic arguments.
+    out_tree: treedef of the step's return value.
+    inputs: one :class:`LeafInfo` per dynamic input leaf.
+    out_avals: abstract value of each output leaf.
+    out_paths: path of each output leaf, e.g. ``out[0].params['w']``.
+    output_source: per output leaf, the index of the input leaf it is the updated
+      value of, or None.
+    donated_argnums: original argument numbers whose buffers the step may reuse.
+    batch_size: the common dim 0 of the batch leaves (None without batch leaves).
+    roles_from_loss: True if parameters were identified through a batch-dependent
+      output (the loss); False if the step returns none and every state leaf is
+      treated as a parameter.
+    depends_on_batch: per output leaf, whether it depends on a batch leaf.
+  """
+
+  closed_jaxpr: Any
+  in_tree: Any
+  out_tree: Any
+  inputs: tuple[LeafInfo, ...]
+  out_avals: tuple[Any, ...]
+  out_paths: tuple[str, ...]
+  output_source: tuple[int | None, ...]
+  donated_argnums: tuple[int, ...]
+  batch_size: int | None
+  roles_from_loss: bool
+  depends_on_batch: tuple[bool, ...]
+
+  def leaves_with_role(self, role: str) -> list[int]:
+    return [i for i, leaf in enumerate(self.inputs) if leaf.role == role]
+
+
+def is_array_leaf(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic)) or type(x) in _PY_SCALAR_DTYPES
+
+
+def leaf_signature(x) -> tuple:
+  """(shape, dtype) of an array leaf, as the cache key of compiled steps uses it."""
+  dtype = _PY_SCALAR_DTYPES.get(type(x))
+  if dtype is not None:
+    return ((), dtype)
+  return (tuple(x.shape), np.dtype(x.dtype))
+
+
+def arg_names(fun, num_args: int) -> list[str]:
+  """Names for the step's positional arguments, from its signature where it has one."""
+  try:
+    params = [p for p in pyinspect.signature(fun).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  except (TypeError, ValueError):
+    params = []
+  names = [p.name for p in params[:num_args]]
+  return names + [f"args[{i}]" for i in range(len(names), num_args)]
+
+
+def trace_step(fun, args: tuple, static_argnums: tuple[int, ...], batch_argnums: tuple[int, ...],
+               donate_argnums: str | tuple[int, ...]) -> TracedStep:
+  """Traces ``fun(*args)`` once and classifies its inputs.
+
+  Args:
+    fun: the user's step.
+    args: the positional arguments of the first call.
+    static_argnums: arguments passed as Python values (not traced).
+    batch_argnums: arguments whose leaves are split on dim 0.
+    donate_argnums: ``"auto"`` (every non-batch argument the step returns updated) or
+      explicit argument numbers.
+
+  Raises:
+    NonArrayLeafError: a dynamic argument holds a leaf that is not an array.
+  """
+  names = arg_names(fun, len(args))
+  dyn_argnums = tuple(i for i in range(len(args)) if i not in static_argnums)
+  leaves, paths, argnum_of_leaf = [], [], []
+  for i in dyn_argnums:
+    for key_path, leaf in tree_util.tree_flatten_with_path(args[i])[0]:
+      path = names[i] + tree_util.keystr(key_path)
+      if not is_array_leaf(leaf):
+        raise errors.NonArrayLeafError(
+            f"argument {names[i]!r} has a leaf at {path} of type {type(leaf).__name__} "
+            f"({leaf!r:.60}); traced arguments may hold only arrays and Python numbers. Make it "
+            f"a static argument (static_argnums) or a pytree node field (flax struct.field("
+            f"pytree_node=False)).")
+      leaves.append(leaf)
+      paths.append(path)
+      argnum_of_leaf.append(i)
+  in_tree = tree_util.tree_structure(tuple(args[i] for i in dyn_argnums))
+
+  out_store = {}
+
+  def flat_fun(*flat):
+    dyn = tree_util.tree_unflatten(in_tree, flat)
+    full = list(args)
+    for i, value in zip(dyn_argnums, dyn):
+      full[i] = value
+    out = fun(*full)
+    out_leaves, out_store["tree"] = tree_util.tree_flatten(out)
+    out_store["paths"] = [tree_util.keystr(p) for p, _ in tree_util.tree_flatten_with_path(out)[0]]
+    return out_leaves
+
+  closed = jax.make_jaxpr(flat_fun)(*leaves)
+  out_tree = out_store["tree"]
+  out_avals = tuple(v.aval for v in closed.jaxpr.outvars)
+  sigs = [leaf_signature(x) for x in leaves]
+
+  output_source, state_argnums = _match_state(args, dyn_argnums, in_tree, sigs, argnum_of_leaf,
+                                              out_tree, out_avals, batch_argnums)
+  if donate_argnums == "auto":
+    donated = tuple(sorted(state_argnums))
+  else:
+    donated = tuple(donate_argnums)
+
+  is_batch = [a in batch_argnums for a in argnum_of_leaf]
+  batch_mask = sum(1 << k for k, b in enumerate(is_batch) if b)
+  out_deps = output_dependencies(closed.jaxpr, len(leaves))
+  state_leaves = {src for src in output_source if src is not None}
+  loss_deps = 0
+  for k, dep in enumerate(out_deps):
+    if output_source[k] is None and dep & batch_mask:
+      loss_deps |= dep
+  roles_from_loss = bool(loss_deps & ~batch_mask)
+  roles = []
+  for k in range(len(leaves)):
+    if is_batch[k]:
+      roles.append(BATCH)
+    elif k not in state_leaves:
+      roles.append(INPUT)
+    elif not roles_from_loss or loss_deps >> k & 1:
+      roles.append(PARAM)
+    else:
+      roles.append(OPTIMIZER)
+
+  batch_dims = {sigs[k][0][0] for k in range(len(leaves)) if is_batch[k] and sigs[k][0]}
+  inputs = tuple(LeafInfo(paths[k], sigs[k][0], sigs[k][1], argnum_of_leaf[k], roles[k])
+                 for k in range(len(leaves)))
+  return TracedStep(
+      closed_jaxpr=closed, in_tree=in_tree, out_tree=out_tree, inputs=inputs,
+      out_avals=out_avals, out_paths=tuple("out" + p for p in out_store["paths"]),
+      output_source=tuple(output_source), donated_argnums=donated,
+      batch_size=min(batch_dims) if batch_dims else None, roles_from_loss=roles_from_loss,
+      depends_on_batch=tuple(bool(d & batch_mask) for d in out_deps))
+
+
+def _match_state(args, dyn_argnums, in_tree, sigs, argnum_of_leaf, out_tree, out_avals,
+                 batch_argnums):
+  """Finds outputs that are updated values of non-batch arguments.
+
+  An argument is updated state if the whole output, or one top-level element of a
+  tuple/list/dict output, has its pytree structure and leaf shapes and dtypes.
+  Returns (per output leaf the input leaf it updates or None, the set of such argnums).
+  """
+  out_sigs = [(tuple(a.shape), np.dtype(a.dtype)) for a in out_avals]
+  dummy = tree_util.tree_unflatten(out_tree, list(range(len(out_avals))))
+  candidates = [dummy]
+  if isinstance(dummy, (tuple, list)):
+    candidates += list(dummy)
+  elif isinstance(dummy, dict):
+    candidates += list(dummy.values())
+  first_leaf = {}
+  for k, a in enumerate(argnum_of_leaf):
+    first_leaf.setdefault(a, k)
+
+  output_source = [None] * len(out_avals)
+  used, state = set(), set()
+  for a in dyn_argnums:
+    if a in batch_argnums or a not in first_leaf:
+      continue
+    arg_tree = tree_util.tree_structure(args[a])
+    arg_leaf_ids = [k for k, b in enumerate(argnum_of_leaf) if b == a]
+    for c, cand in enumerate(candidates):
+      if c in used:
+        continue
+      cand_leaves, cand_tree = tree_util.tree_flatten(cand)
+      if cand_tree != arg_tree or [out_sigs[o] for o in cand_leaves] != [sigs[k] for k in arg_leaf_ids]:
+        continue
+      used.add(c)
+      state.add(a)
+      for o, k in zip(cand_leaves, arg_leaf_ids):
+        output_source[o] = k
+      break
+  return output_source, state
+
+
+def output_dependencies(jaxpr, num_inputs: int) -> list[int]:
+  """For each output of ``jaxpr``, the set of inputs it depends on, as a bit mask.
+
+  Call-like equations (jit, custom_jvp/vjp, remat, closed_call) are followed inside;
+  loops and conditionals are treated as depending on all their operands.
+  """
+  deps = {}
+  for k, v in enumerate(jaxpr.invars[:num_inputs]):
+    deps[v] = 1 << k
+  return _propagate(jaxpr, deps)
+
+
+def _propagate(jaxpr, deps: dict) -> list[int]:
+  def get(v):
+    return 0 if isinstance(v, jex.Literal) else deps.get(v, 0)
+
+  for eqn in jaxpr.eqns:
+    in_deps = [get(v) for v in eqn.invars]
+    subs = list(jex.jaxprs_in_params(eqn.params))
+    if (len(subs) == 1 and eqn.primitive.name not in ("while", "scan", "cond")
+        and len(subs[0].invars) == len(eqn.invars) and len(subs[0].outvars) == len(eqn.outvars)):
+      out_deps = _propagate(subs[0], dict(zip(subs[0].invars, in_deps)))
+    else:
+      union = 0
+      for d in in_deps:
+        union |= d
+      out_deps = [union] * len(eqn.outvars)
+    for v, d in zip(eqn.outvars, out_deps):
+      deps[v] = d
+  return [get(v) for v in jaxpr.outvars]
