@@ -4,6 +4,7 @@ from jaxdist import errors as errors
 from jaxdist.api import ParallelizedFunc as ParallelizedFunc
 from jaxdist.api import parallelize as parallelize
 from jaxdist.executable import Executable as Executable
+from jaxdist.launch import init_distributed as init_distributed
 from jaxdist.mesh import LogicalMesh as LogicalMesh
 from jaxdist.methods import DataParallel as DataParallel
 from jaxdist.methods import Method as Method
@@ -21,5 +22,6 @@ __all__ = [
     "Zero2Parallel",
     "Zero3Parallel",
     "errors",
+    "init_distributed",
     "parallelize",
 ]

@@ -1,0 +1,166 @@
+"""Small reference models and ordinary single-device train steps.
+
+They are what the demo, the examples, the tests and the benchmarks parallelize: plain
+flax code with nothing jaxdist-specific except that the gradient function can be
+passed in (``jax.value_and_grad`` or ``jaxdist.value_and_grad``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import linen as nn
+from flax import nnx
+from flax.training import train_state
+
+
+class MLP(nn.Module):
+  """``num_layers`` ReLU Dense layers of ``hidden`` units and a linear head."""
+
+  hidden: int = 512
+  num_layers: int = 4
+  out: int = 8
+
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(self.num_layers):
+      x = nn.relu(nn.Dense(self.hidden)(x))
+    return nn.Dense(self.out)(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+  vocab: int = 512
+  width: int = 128
+  heads: int = 4
+  depth: int = 2
+  seq_len: int = 64
+
+
+class Block(nn.Module):
+  """Pre-LayerNorm transformer block: causal self-attention and a 4× MLP."""
+
+  config: GPTConfig
+
+  @nn.compact
+  def __call__(self, x):
+    c = self.config
+    h = nn.LayerNorm()(x)
+    mask = nn.make_causal_mask(jnp.ones(x.shape[:2], dtype=jnp.int32))
+    h = nn.MultiHeadDotProductAttention(num_heads=c.heads, qkv_features=c.width)(h, h, mask=mask)
+    x = x + h
+    h = nn.LayerNorm()(x)
+    h = nn.Dense(4 * c.width)(h)
+    h = nn.gelu(h)
+    return x + nn.Dense(c.width)(h)
+
+
+class GPT(nn.Module):
+  """A decoder-only language model: token + position embedding, blocks, LM head."""
+
+  config: GPTConfig
+
+  @nn.compact
+  def __call__(self, tokens):
+    c = self.config
+    x = nn.Embed(c.vocab, c.width)(tokens)
+    pos = self.param("pos_embedding", nn.initializers.normal(0.02), (c.seq_len, c.width))
+    x = x + pos[: tokens.shape[1]]
+    for i in range(c.depth):
+      x = Block(c, name=f"block_{i}")(x)
+    x = nn.LayerNorm()(x)
+    return nn.Dense(c.vocab)(x)
+
+
+def create_state(model: nn.Module, sample, tx=None, seed: int = 0) -> train_state.TrainState:
+  """A flax TrainState with ``model``'s parameters initialized on ``sample``."""
+  params = model.init(jax.random.key(seed), sample)
+  return train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                       tx=tx if tx is not None else optax.adam(1e-3))
+
+
+def regression_step(value_and_grad: Callable = jax.value_and_grad):
+  """``step(state, batch) -> (state, {"loss"})`` for MSE regression on batch["x"/"y"]."""
+
+  def train_step(state, batch):
+    def loss_fn(params):
+      pred = state.apply_fn(params, batch["x"])
+      return jnp.mean((pred - batch["y"]) ** 2)
+
+    loss, grads = value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+  return train_step
+
+
+def lm_step(value_and_grad: Callable = jax.value_and_grad):
+  """``step(state, batch) -> (state, {"loss"})``: next-token cross entropy on batch["tokens"]."""
+
+  def train_step(state, batch):
+    tokens = batch["tokens"]
+
+    def loss_fn(params):
+      logits = state.apply_fn(params, tokens[:, :-1])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    loss, grads = value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+  return train_step
+
+
+def regression_batch(batch: int, features: int, out: int = 8, seed: int = 1) -> dict:
+  kx, ky = jax.random.split(jax.random.key(seed))
+  return {"x": jax.random.normal(kx, (batch, features)),
+          "y": jax.random.normal(ky, (batch, out))}
+
+
+def token_batch(batch: int, config: GPTConfig, seed: int = 1) -> dict:
+  # seq_len + 1 tokens: inputs are the first seq_len, targets the last seq_len.
+  return {"tokens": jax.random.randint(jax.random.key(seed), (batch, config.seq_len + 1), 0,
+                                       config.vocab)}
+
+
+class NnxMLP(nnx.Module):
+  """The MLP above written with flax nnx."""
+
+  def __init__(self, features: int, hidden: int, num_layers: int, out: int, *, rngs: nnx.Rngs):
+    sizes = [features] + [hidden] * num_layers
+    self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes, sizes[1:])])
+    self.head = nnx.Linear(hidden, out, rngs=rngs)
+
+  def __call__(self, x):
+    for layer in self.layers:
+      x = nnx.relu(layer(x))
+    return self.head(x)
+
+
+def nnx_regression(features: int = 32, hidden: int = 64, num_layers: int = 2, out: int = 8,
+                   value_and_grad: Callable = jax.value_and_grad, seed: int = 0):
+  """An nnx model + optimizer as a pure ``(state, step)``: ``step(state, batch)``.
+
+  The step merges the nnx graph, computes the loss and gradient with respect to the
+  ``nnx.Param`` state, updates the optimizer and returns the new state: ordinary
+  functional nnx code, parallelizable like any pytree step.
+  """
+  model = NnxMLP(features, hidden, num_layers, out, rngs=nnx.Rngs(seed))
+  optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+  graphdef, state = nnx.split((model, optimizer))
+
+  def train_step(state, batch):
+    model, optimizer = nnx.merge(graphdef, state)
+    model_graph, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_fn(p):
+      m = nnx.merge(model_graph, p, rest)
+      return jnp.mean((m(batch["x"]) - batch["y"]) ** 2)
+
+    loss, grads = value_and_grad(loss_fn)(params)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer)), {"loss": loss}
+
+  return state, train_step

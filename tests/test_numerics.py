@@ -1,0 +1,69 @@
+"""Every method reproduces the plain single-device step.
+
+Tolerances: float32. SGD with momentum is linear in the gradient, so only the order of
+the cross-device reduction differs from serial: rtol 1e-5, atol 1e-6 (for parameters
+that are near zero). Adam divides by sqrt(v): a gradient entry near 0 gets an update
+of size ~lr whose sign follows reduction-order noise, so its parameters are compared
+at atol = lr / 5 and its loss at rtol 1e-5.
+"""
+
+import jax
+import optax
+import pytest
+
+import jaxdist as jd
+from jaxdist import models
+from helpers import assert_trees_close, serial, to_host
+
+METHODS = [jd.DataParallel, jd.Zero2Parallel, jd.Zero3Parallel]
+
+
+def _two_steps(step, state, batch):
+  s1, m1 = step(state, batch)
+  first = to_host((s1, m1))
+  return first, to_host(step(s1, batch))
+
+
+def _check(method_cls, step_fn, make_state, batch, rtol, atol):
+  expected = _two_steps(jax.jit(step_fn), make_state(), batch)
+  actual = _two_steps(jd.parallelize(step_fn, method=method_cls()), make_state(), batch)
+  for a, e in zip(actual, expected):
+    assert_trees_close(a, e, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("method_cls", METHODS)
+def test_mlp_linen(method_cls):
+  batch = models.regression_batch(64, 32)
+  model = models.MLP(hidden=64, num_layers=3)
+  make = lambda: models.create_state(model, batch["x"], tx=optax.sgd(0.05, momentum=0.9))
+  _check(method_cls, models.regression_step(), make, batch, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("method_cls", METHODS)
+def test_gpt_linen(method_cls):
+  config = models.GPTConfig(vocab=256, width=64, heads=4, depth=2, seq_len=32)
+  batch = models.token_batch(16, config)
+  make = lambda: models.create_state(models.GPT(config), batch["tokens"][:, :-1],
+                                     tx=optax.sgd(0.1, momentum=0.9))
+  _check(method_cls, models.lm_step(), make, batch, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("method_cls", METHODS)
+def test_nnx(method_cls):
+  state, step = models.nnx_regression(features=32, hidden=64)
+  batch = models.regression_batch(32, 32)
+  expected = serial(step, state, batch)
+  actual = jd.parallelize(step, method=method_cls())(state, batch)
+  assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("method_cls", METHODS)
+def test_adam_mlp(method_cls):
+  lr = 1e-3
+  batch = models.regression_batch(64, 32)
+  model = models.MLP(hidden=64, num_layers=3)
+  make = lambda: models.create_state(model, batch["x"], tx=optax.adam(lr))
+  expected = serial(models.regression_step(), make(), batch)
+  actual = jd.parallelize(models.regression_step(), method=method_cls())(make(), batch)
+  assert_trees_close(actual[1], expected[1], rtol=1e-5, atol=0)
+  assert_trees_close(actual[0].params, expected[0].params, rtol=0, atol=lr / 5)
