@@ -13,7 +13,7 @@ from jaxdist import methods as m
 from jaxdist.executable import Executable, compile_layout, make_plan
 from jaxdist.layouts import data_parallel_layout
 from jaxdist.mesh import LogicalMesh
-from jaxdist.trace import is_array_leaf, leaf_signature, trace_step
+from jaxdist.trace import is_array, leaf_signature, trace_step
 
 
 def parallelize(fun: Callable | None = None, *, method: m.Method | None = None,
@@ -30,8 +30,9 @@ def parallelize(fun: Callable | None = None, *, method: m.Method | None = None,
     fun: the step, e.g. ``train_step(state, batch) -> (state, metrics)``.
     method: a method object such as ``jaxdist.DataParallel()``; default
       ``DataParallel()``.
-    static_argnums: ``"auto"`` (an argument with no array leaves is passed as a
-      Python value: ints, strings, None, callables) or explicit argument numbers.
+    static_argnums: ``"auto"`` (an argument with no jax or numpy array leaves is a
+      Python value and static: floats, ints, strings, None, callables; Python numbers
+      *inside* an array pytree are traced) or explicit argument numbers.
     donate_argnums: ``"auto"`` (every non-batch argument the step returns updated,
       such as the train state) or explicit argument numbers; ``()`` donates nothing.
     batch_argnums: arguments whose every leaf is split on dim 0.
@@ -119,7 +120,7 @@ class ParallelizedFunc:
       return self.static_argnums
     return tuple(i for i, a in enumerate(args)
                  if i not in self.batch_argnums
-                 and not any(is_array_leaf(x) for x in tree_util.tree_leaves(a)))
+                 and not any(is_array(x) for x in tree_util.tree_leaves(a)))
 
   def _compile(self, args, static):
     for i in static:
@@ -131,7 +132,7 @@ class ParallelizedFunc:
             f"is not hashable; pass it as a hashable value (tuple, frozen dataclass) or make it "
             f"hold arrays.") from None
     for b in self.batch_argnums:
-      if not any(is_array_leaf(x) for x in tree_util.tree_leaves(args[b])):
+      if not any(is_array(x) for x in tree_util.tree_leaves(args[b])):
         raise errors.NonArrayLeafError(
             f"batch argument {b} ({args[b]!r:.60}) holds no arrays; batch arguments must be "
             f"arrays or pytrees of arrays with a leading batch dimension.")

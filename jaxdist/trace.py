@@ -39,7 +39,7 @@ class LeafInfo:
 
   path: str
   shape: tuple[int, ...]
-  dtype: np.dtype
+  dtype: Any
   argnum: int
   role: str
 
@@ -85,8 +85,13 @@ class TracedStep:
     return [i for i, leaf in enumerate(self.inputs) if leaf.role == role]
 
 
+def is_array(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
 def is_array_leaf(x) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, np.generic)) or type(x) in _PY_SCALAR_DTYPES
+  """A leaf that can be traced: an array, or a Python number inside an array pytree."""
+  return is_array(x) or type(x) in _PY_SCALAR_DTYPES
 
 
 def leaf_signature(x) -> tuple:
@@ -94,7 +99,7 @@ def leaf_signature(x) -> tuple:
   dtype = _PY_SCALAR_DTYPES.get(type(x))
   if dtype is not None:
     return ((), dtype)
-  return (tuple(x.shape), np.dtype(x.dtype))
+  return (tuple(x.shape), x.dtype)
 
 
 def arg_names(fun, num_args: int) -> list[str]:
@@ -203,7 +208,7 @@ def _match_state(args, dyn_argnums, in_tree, sigs, argnum_of_leaf, out_tree, out
   tuple/list/dict output, has its pytree structure and leaf shapes and dtypes.
   Returns (per output leaf the input leaf it updates or None, the set of such argnums).
   """
-  out_sigs = [(tuple(a.shape), np.dtype(a.dtype)) for a in out_avals]
+  out_sigs = [(tuple(a.shape), a.dtype) for a in out_avals]
   dummy = tree_util.tree_unflatten(out_tree, list(range(len(out_avals))))
   candidates = [dummy]
   if isinstance(dummy, (tuple, list)):

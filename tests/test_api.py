@@ -1,0 +1,168 @@
+"""parallelize's contract: caching, outputs, donation, devices, roles, plans."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jaxdist as jd
+from jaxdist import models
+from helpers import assert_trees_close, serial
+
+
+def _mlp_setup(batch_size=64, tx=None):
+  batch = models.regression_batch(batch_size, 32)
+  state = models.create_state(models.MLP(hidden=64, num_layers=2), batch["x"],
+                              tx=tx or optax.adam(1e-3))
+  return state, batch
+
+
+def test_second_call_does_not_retrace_and_new_shape_compiles_anew():
+  traces = []
+  inner = models.regression_step()
+
+  def step(state, batch):
+    traces.append(1)
+    return inner(state, batch)
+
+  f = jd.parallelize(step, method=jd.DataParallel())
+  state, batch = _mlp_setup()
+  state, _ = f(state, batch)
+  state, _ = f(state, batch)
+  state, _ = f(state, {k: np.asarray(v) for k, v in batch.items()})  # numpy: same signature
+  assert len(traces) == 1
+  state, _ = f(state, models.regression_batch(128, 32))
+  assert len(traces) == 2
+  state, _ = f(state, batch)
+  assert len(traces) == 2
+
+
+def test_outputs_keep_structure_and_are_named_shardings():
+  state, batch = _mlp_setup()
+  f = jd.parallelize(models.regression_step(), method=jd.Zero2Parallel())
+  new_state, metrics = f(state, batch)
+  assert jax.tree.structure(new_state) == jax.tree.structure(state)
+  for leaf in jax.tree.leaves((new_state, metrics)):
+    assert isinstance(leaf, jax.Array) and isinstance(leaf.sharding, NamedSharding)
+  again, _ = f(new_state, batch)  # feeds straight back
+  assert int(again.step) == 2
+
+
+def test_auto_donation_reuses_state_not_batch_and_keeps_callers_arrays():
+  state, batch = _mlp_setup()
+  f = jd.parallelize(models.regression_step(), method=jd.DataParallel())
+  exe = f.get_executable(state, batch)
+  assert exe._step.donated_argnums == (0,)
+  s1, _ = f(state, batch)
+  # The caller's own arrays were moved onto the mesh by copy, so they survive donation.
+  assert not any(x.is_deleted() for x in jax.tree.leaves(state) if isinstance(x, jax.Array))
+  placed_batch = jax.tree.map(lambda x, s: jax.device_put(x, s), batch, exe.input_shardings[1])
+  s2, _ = f(s1, placed_batch)
+  assert all(x.is_deleted() for x in jax.tree.leaves(s1))  # donated
+  assert not any(x.is_deleted() for x in jax.tree.leaves(placed_batch))
+  assert jd.parallelize(models.regression_step(), donate_argnums=()).get_executable(
+      state, batch)._step.donated_argnums == ()
+
+
+def test_roles_come_from_data_flow_not_names():
+  # Deliberately misleading names: "params" holds a momentum buffer, "opt" the weights.
+  def step(state, batch):
+    def loss_fn(w):
+      return jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
+    loss, g = jax.value_and_grad(loss_fn)(state["opt"])
+    velocity = 0.9 * state["params"] + g
+    return {"opt": state["opt"] - 0.1 * velocity, "params": velocity}, loss
+
+  state = {"opt": jnp.ones((32, 8)), "params": jnp.zeros((32, 8))}
+  batch = models.regression_batch(64, 32)
+  exe = jd.parallelize(step, method=jd.Zero2Parallel()).get_executable(state, batch)
+  roles = {leaf.path: leaf.role for leaf in exe._step.inputs}
+  assert roles["state['opt']"] == "param"
+  assert roles["state['params']"] == "optimizer"
+  assert exe.plan.spec_of("state['params']") == P("devices")
+  assert exe.plan.spec_of("state['opt']") == P()
+
+
+def test_zero_layouts_and_memory_order():
+  state, batch = _mlp_setup(tx=optax.adam(1e-3))
+  sizes = {}
+  for cls in (jd.DataParallel, jd.Zero2Parallel, jd.Zero3Parallel):
+    exe = jd.parallelize(models.regression_step(), method=cls()).get_executable(state, batch)
+    sizes[cls.__name__] = exe.get_total_allocation_size()
+    kernel = "state.params['params']['Dense_0']['kernel']"
+    mu = "state.opt_state[0].mu['params']['Dense_0']['kernel']"
+    expect = {"DataParallel": (P(), P()), "Zero2Parallel": (P(), P(None, "devices")),
+              "Zero3Parallel": (P(None, "devices"), P(None, "devices"))}[cls.__name__]
+    assert (exe.plan.spec_of(kernel), exe.plan.spec_of(mu)) == expect
+    if cls is not jd.DataParallel:
+      assert any("state.step" in note for note in exe.plan.notes)  # scalar stays replicated
+  assert sizes["Zero3Parallel"] < sizes["Zero2Parallel"] < sizes["DataParallel"]
+
+
+def test_data_parallel_communicates_one_gradient_all_reduce():
+  state, batch = _mlp_setup()
+  exe = jd.parallelize(models.regression_step(), method=jd.DataParallel()).get_executable(
+      state, batch)
+  comm = exe.communication()
+  assert set(comm) == {"all-reduce"}
+  param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params))
+  n = 8
+  # Gradients plus the scalar loss, each all-reduced once over 8 devices.
+  assert comm["all-reduce"].wire_bytes == pytest.approx(2 * (n - 1) / n * (param_bytes + 4))
+
+
+@pytest.mark.parametrize("devices,mesh_shape,batch_spec", [
+    (lambda: jax.devices()[:4], (4,), P("devices")),
+    (lambda: Mesh(np.array(jax.devices()).reshape(2, 4), ("dp", "x")), (2, 4), P(("dp", "x"))),
+    (lambda: jd.LogicalMesh((2, 2), axis_names=("a", "b"), devices=jax.devices()[4:]), (2, 2),
+     P(("a", "b"))),
+])
+def test_devices_argument_forms(devices, mesh_shape, batch_spec):
+  state, batch = _mlp_setup(tx=optax.sgd(0.1))
+  f = jd.parallelize(models.regression_step(), method=jd.DataParallel(devices=devices()))
+  exe = f.get_executable(state, batch)
+  assert exe.plan.mesh_shape == mesh_shape
+  assert exe.plan.spec_of("batch['x']") == batch_spec
+  expected = serial(models.regression_step(), state, batch)
+  actual = f(state, batch)
+  assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6)
+  used = {d for leaf in jax.tree.leaves(actual) for d in leaf.sharding.device_set}
+  assert len(used) == np.prod(mesh_shape)
+
+
+def test_python_values_are_static_and_other_arrays_are_inputs():
+  traces = []
+
+  def step(state, batch, scale, key):
+    traces.append(scale)
+    noise = jax.random.normal(key, batch["x"].shape) * 0.0
+    loss, g = jax.value_and_grad(
+        lambda w: jnp.mean(((batch["x"] + noise) @ w - batch["y"]) ** 2))(state)
+    return state - scale * g, loss
+
+  w = jnp.ones((32, 8))
+  batch = models.regression_batch(64, 32)
+  key = jax.random.key(0)
+  f = jd.parallelize(step, method=jd.DataParallel())
+  exe = f.get_executable(w, batch, 0.5, key)
+  assert [leaf.role for leaf in exe._step.inputs if leaf.path == "key"] == ["input"]
+  w1, _ = f(w, batch, 0.5, key)
+  w2, _ = f(w, batch, 0.25, key)
+  assert traces == [0.5, 0.25]
+  # w - w1 cancels digits of w ~ 1: compare at one float32 ulp of 1.0.
+  np.testing.assert_allclose(np.asarray(w - w1), 2 * np.asarray(w - w2), rtol=1e-5, atol=1e-6)
+
+
+def test_plan_round_trips_through_json(tmp_path):
+  state, batch = _mlp_setup()
+  plan = jd.parallelize(models.regression_step(), method=jd.Zero3Parallel()).get_executable(
+      state, batch).plan
+  plan.save(tmp_path / "plan.json")
+  loaded = jd.Plan.load(tmp_path / "plan.json")
+  assert loaded == plan
+  summary = loaded.summary()
+  assert "Zero3Parallel" in summary and "state.params['params']['Dense_0']['kernel']" in summary
+  with pytest.raises(jd.errors.PlanMismatchError, match="format_version"):
+    jd.Plan.from_json(plan.to_json().replace('"format_version": 1', '"format_version": 99'))

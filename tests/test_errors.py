@@ -1,0 +1,96 @@
+"""Bad input raises a typed error before compute, naming argument, value and remedy."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jaxdist as jd
+from jaxdist import errors, models
+
+
+@pytest.fixture
+def counted_step():
+  traces = []
+  inner = models.regression_step()
+
+  def step(state, batch):
+    traces.append(1)
+    return inner(state, batch)
+
+  return step, traces
+
+
+def _state(features=32):
+  batch = models.regression_batch(64, features)
+  return models.create_state(models.MLP(hidden=16, num_layers=1), batch["x"],
+                             tx=optax.sgd(0.1)), batch
+
+
+def test_batch_argnums_out_of_range(counted_step):
+  step, traces = counted_step
+  state, batch = _state()
+  with pytest.raises(errors.BatchArgnumsError, match=r"batch_argnums=\(3,\).*0\.\.1"):
+    jd.parallelize(step, batch_argnums=3)(state, batch)
+  assert not traces
+
+
+def test_batch_that_does_not_divide_over_devices():
+  state, batch = _state()
+  batch = {k: v[:30] for k, v in batch.items()}
+  with pytest.raises(errors.BatchDivisibilityError,
+                     match=r"batch\['x'\].*\(30, 32\).*30.*8 devices.*multiple of 8"):
+    jd.parallelize(models.regression_step())(state, batch)
+
+
+def test_mesh_shape_must_multiply_to_device_count():
+  with pytest.raises(errors.MeshShapeError, match=r"shape=\(2, 3\).*6 positions but 8 devices"):
+    jd.LogicalMesh((2, 3), devices=jax.devices())
+
+
+def test_more_devices_than_exist():
+  with pytest.raises(errors.DeviceCountError, match=r"needs 16 devices; only 8 exist"):
+    jd.LogicalMesh((4, 4))
+
+
+def test_non_array_leaf(counted_step):
+  step, traces = counted_step
+  state, batch = _state()
+  state = state.replace(params={"params": state.params["params"], "name": "mlp"})
+  with pytest.raises(errors.NonArrayLeafError, match=r"state\.params\['name'\].*str"):
+    jd.parallelize(step)(state, batch)
+  assert not traces
+
+
+def test_batch_argument_without_arrays():
+  state, _ = _state()
+  with pytest.raises(errors.NonArrayLeafError, match="batch argument 1"):
+    jd.parallelize(models.regression_step())(state, "not a batch")
+
+
+def test_unknown_method_arguments():
+  with pytest.raises(errors.UnknownArgumentError, match=r"'num_stages'.*valid arguments are: "
+                     r"devices, num_micro_batches"):
+    jd.Zero2Parallel(num_stages=2)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_num_micro_batches_must_be_positive_int(bad):
+  with pytest.raises(errors.InvalidArgumentError, match=rf"num_micro_batches={bad!r}"):
+    jd.DataParallel(num_micro_batches=bad)
+
+
+def test_method_must_be_a_method_object():
+  with pytest.raises(errors.InvalidArgumentError, match=r"method='dp'.*DataParallel"):
+    jd.parallelize(lambda s, b: s, method="dp")
+
+
+def test_bad_devices_argument():
+  with pytest.raises(errors.InvalidArgumentError, match="devices=.*not valid"):
+    jd.parallelize(models.regression_step(), method=jd.DataParallel(devices="gpu"))(*_state())
+
+
+def test_errors_are_also_builtin_types():
+  assert issubclass(errors.BatchDivisibilityError, ValueError)
+  assert issubclass(errors.NonArrayLeafError, TypeError)
+  assert issubclass(errors.UnknownArgumentError, TypeError)

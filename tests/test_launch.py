@@ -1,0 +1,50 @@
+"""python -m jaxdist.launch: a 2-process cluster gives the single-process DataParallel result."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+
+import jaxdist as jd
+from jaxdist import models
+
+HERE = os.path.dirname(__file__)
+
+
+def _launch(*cmd, timeout=180):
+  return subprocess.run([sys.executable, "-m", "jaxdist.launch", "--num-processes", "2",
+                         "--devices-per-process", "4", "--timeout", str(timeout), "--", *cmd],
+                        capture_output=True, text=True, timeout=timeout + 30)
+
+
+def test_two_process_data_parallel_matches_single_process():
+  proc = _launch(sys.executable, os.path.join(HERE, "dp_worker.py"))
+  assert proc.returncode == 0, proc.stdout[-3000:]
+  lines = [l for l in proc.stdout.splitlines() if l.startswith("[0] RESULT ")]
+  assert len(lines) == 1, proc.stdout[-3000:]
+  result = json.loads(lines[0][len("[0] RESULT "):])
+  assert result["processes"] == 2 and result["devices"] == 8
+  assert any(l.startswith("[1] mean") for l in proc.stdout.splitlines())  # both streamed
+
+  # The same two steps in this single process on 8 devices (see dp_worker.py).
+  model = models.MLP(hidden=64, num_layers=2)
+  batch = models.regression_batch(32, 16)
+  state = models.create_state(model, batch["x"], tx=optax.sgd(0.1, momentum=0.9))
+  step = jd.parallelize(models.regression_step(), method=jd.DataParallel())
+  losses = []
+  for _ in range(2):
+    state, metrics = step(state, batch)
+    losses.append(float(metrics["loss"]))
+  np.testing.assert_allclose(result["losses"], losses, rtol=1e-5)
+  np.testing.assert_allclose(result["kernel_sum"],
+                             float(state.params["params"]["Dense_0"]["kernel"].sum()), rtol=1e-5)
+
+
+def test_a_failing_process_fails_the_launch():
+  code = "import os, sys; sys.exit(3 if os.environ['JAXDIST_PROCESS_ID'] == '1' else 0)"
+  proc = _launch(sys.executable, "-c", code, timeout=60)
+  assert proc.returncode == 3
