@@ -4,6 +4,8 @@ from jaxdist import errors as errors
 from jaxdist.api import ParallelizedFunc as ParallelizedFunc
 from jaxdist.api import parallelize as parallelize
 from jaxdist.executable import Executable as Executable
+from jaxdist.grad import grad as grad
+from jaxdist.grad import value_and_grad as value_and_grad
 from jaxdist.launch import init_distributed as init_distributed
 from jaxdist.mesh import LogicalMesh as LogicalMesh
 from jaxdist.methods import DataParallel as DataParallel
@@ -22,6 +24,8 @@ __all__ = [
     "Zero2Parallel",
     "Zero3Parallel",
     "errors",
+    "grad",
     "init_distributed",
     "parallelize",
+    "value_and_grad",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +14,7 @@ from jaxdist import methods as m
 from jaxdist.executable import Executable, compile_layout, make_plan
 from jaxdist.layouts import data_parallel_layout
 from jaxdist.mesh import LogicalMesh
-from jaxdist.trace import is_array, leaf_signature, trace_step
+from jaxdist.trace import is_array, leaf_signature, trace_step, with_micro_batch_trace
 
 
 def parallelize(fun: Callable | None = None, *, method: m.Method | None = None,
@@ -139,8 +140,13 @@ class ParallelizedFunc:
     lmesh = self._mesh()
     step = trace_step(self.fun, args, static, self.batch_argnums, self.donate_argnums)
     layout = data_parallel_layout(self.method, step, lmesh)
+    if layout.grad_reduce_specs is not None:
+      divisor = layout.num_micro_batches * math.prod(
+          lmesh.axis_size(a) for a in layout.batch_axes)
+      if divisor > 1:
+        step = with_micro_batch_trace(self.fun, args, static, step, divisor)
     compiled = compile_layout(step, layout)
-    plan = make_plan(self.method.name, step, layout, num_micro_batches=1)
+    plan = make_plan(self.method.name, step, layout, num_micro_batches=layout.num_micro_batches)
     dyn_argnums = tuple(i for i in range(len(args)) if i not in static)
     return Executable(step, layout, compiled, plan, dyn_argnums)
 

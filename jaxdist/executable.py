@@ -7,6 +7,8 @@ import numpy as np
 from jax import tree_util
 from jax.sharding import NamedSharding
 
+from jaxdist import errors
+from jaxdist.accumulate import split_step_fn
 from jaxdist import inspect as hlo_inspect
 from jaxdist.layouts import Layout
 from jaxdist.plan import Plan, PlanEntry
@@ -68,6 +70,12 @@ class Executable:
   def call_flat(self, leaves):
     """Runs the step on the flat dynamic leaves; returns the output pytree."""
     placed = [place(x, s, d) for x, s, d in zip(leaves, self._in_shardings, self._donated)]
+    for k, x in enumerate(placed):
+      # Executing on a deleted buffer crashes the CPU runtime (jax 0.10.2) instead of raising.
+      if isinstance(x, jax.Array) and x.is_deleted():
+        raise errors.InvalidArgumentError(
+            f"{self._step.inputs[k].path} was deleted: its buffer was donated to an earlier "
+            f"call. Pass the state that call returned, or parallelize with donate_argnums=().")
     out = self._compiled(*placed)
     return tree_util.tree_unflatten(self._step.out_tree, out)
 
@@ -116,7 +124,11 @@ def compile_layout(step: TracedStep, layout: Layout):
   in_shardings = tuple(NamedSharding(mesh, s) for s in layout.in_specs)
   out_shardings = tuple(NamedSharding(mesh, s) for s in layout.out_specs)
   donated = {k for k, leaf in enumerate(step.inputs) if leaf.argnum in step.donated_argnums}
-  flat_fun = jax.extend.core.jaxpr_as_fun(step.closed_jaxpr)
+  if layout.grad_reduce_specs is None:
+    flat_fun = jax.extend.core.jaxpr_as_fun(step.closed_jaxpr)
+  else:
+    flat_fun = split_step_fn(step, mesh, layout.batch_axes, layout.num_micro_batches,
+                             layout.grad_reduce_specs)
   constraints = [None if c is None else NamedSharding(mesh, c) for c in layout.out_constraints]
 
   def run(*leaves):

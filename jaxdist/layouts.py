@@ -9,12 +9,14 @@ collectives (gradient all-reduce, parameter all-gather).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 from jax.sharding import PartitionSpec
 
 from jaxdist import errors
 from jaxdist import methods as m
 from jaxdist.mesh import LogicalMesh
+from jaxdist.grad import GRAD
 from jaxdist.trace import BATCH, OPTIMIZER, PARAM, TracedStep
 
 REPLICATED = PartitionSpec()
@@ -33,6 +35,11 @@ class Layout:
       of the updated parameters and all-gathers it into the output buffer, so no
       gathered copy of the whole update lives in temporary memory.
     notes: remarks for the plan (leaves left replicated and why).
+    num_micro_batches: gradient-accumulation micro-batches.
+    batch_axes: mesh axes the batch is split over.
+    grad_reduce_specs: None to let XLA reduce gradients (no ``jaxdist.grad`` marker);
+      otherwise, per marker output, None (all-reduce to a replicated value) or the
+      sharded spec its reduce-scatter produces (see ``jaxdist.accumulate``).
   """
 
   logical_mesh: LogicalMesh
@@ -40,6 +47,9 @@ class Layout:
   out_specs: tuple[PartitionSpec, ...]
   out_constraints: tuple[PartitionSpec | None, ...]
   notes: tuple[str, ...] = ()
+  num_micro_batches: int = 1
+  batch_axes: tuple[str, ...] = ()
+  grad_reduce_specs: tuple[PartitionSpec | None, ...] | None = None
 
 
 def batch_spec(lmesh: LogicalMesh) -> PartitionSpec:
@@ -78,9 +88,41 @@ def shard_largest_dim(shape: tuple[int, ...], lmesh: LogicalMesh) -> PartitionSp
   return PartitionSpec(*([None] * d + [axes]))
 
 
+def uses_marker(method: m.Method, step: TracedStep) -> bool:
+  """Whether gradients go through the jaxdist.grad split; raises if they must and cannot.
+
+  Raises:
+    GradientMarkerError: ``num_micro_batches > 1`` and the step has no single
+      top-level ``jaxdist.grad`` / ``value_and_grad``.
+  """
+  k = method.num_micro_batches or 1
+  if step.marker_index is not None:
+    return True
+  if k > 1 and step.num_markers == 0:
+    raise errors.GradientMarkerError(
+        f"{method.name}(num_micro_batches={k}) needs to know where gradients are computed, and "
+        f"the step computes them with plain jax.grad / jax.value_and_grad. Use "
+        f"jaxdist.grad / jaxdist.value_and_grad instead (same signature).")
+  if step.num_markers:
+    where = (f"{step.num_markers} times" if step.num_markers > 1
+             else "inside a loop, cond or custom_vjp")
+    message = (f"the step calls jaxdist.grad / value_and_grad {where}; gradient accumulation "
+               f"needs exactly one call at the step's top level (jitted helpers are fine).")
+    if k > 1:
+      raise errors.GradientMarkerError(message)
+    warnings.warn(message + " Gradients are reduced by XLA instead.", errors.JaxdistWarning,
+                  stacklevel=4)
+  return False
+
+
 def data_parallel_layout(method: m.Method, step: TracedStep, lmesh: LogicalMesh) -> Layout:
   """Layout for DataParallel (no sharded state), Zero2 (optimizer) or Zero3 (all state)."""
-  check_batch_divisible(step, lmesh.num_devices, f"the {lmesh.num_devices} devices")
+  micro_batches = method.num_micro_batches or 1
+  if micro_batches > 1:
+    check_batch_divisible(step, lmesh.num_devices * micro_batches,
+                          f"{lmesh.num_devices} devices x num_micro_batches={micro_batches}")
+  else:
+    check_batch_divisible(step, lmesh.num_devices, f"the {lmesh.num_devices} devices")
   if isinstance(method, m.Zero3Parallel):
     sharded_roles = {PARAM, OPTIMIZER}
   elif isinstance(method, m.Zero2Parallel):
@@ -122,4 +164,12 @@ def data_parallel_layout(method: m.Method, step: TracedStep, lmesh: LogicalMesh)
       out_specs.append(batch_spec(lmesh))
     else:
       out_specs.append(REPLICATED)
-  return Layout(lmesh, tuple(in_specs), tuple(out_specs), tuple(out_constraints), tuple(notes))
+  grad_reduce_specs = None
+  if uses_marker(method, step):
+    marker = step.closed_jaxpr.jaxpr.eqns[step.marker_index]
+    grad_reduce_specs = tuple(
+        shard_largest_dim(v.aval.shape, lmesh) if kind == GRAD and sharded_roles else None
+        for kind, v in zip(marker.params["kinds"], marker.invars))
+  return Layout(lmesh, tuple(in_specs), tuple(out_specs), tuple(out_constraints), tuple(notes),
+                num_micro_batches=micro_batches, batch_axes=lmesh.axis_names,
+                grad_reduce_specs=grad_reduce_specs)

@@ -21,11 +21,12 @@ import inspect as pyinspect
 from typing import Any
 
 import jax
-import jax.extend.core as jex
 import numpy as np
 from jax import tree_util
 
 from jaxdist import errors
+from jaxdist import jaxpr_util
+from jaxdist.grad import grad_marker_p
 
 BATCH, PARAM, OPTIMIZER, INPUT = "batch", "param", "optimizer", "input"
 
@@ -67,6 +68,13 @@ class TracedStep:
       output (the loss); False if the step returns none and every state leaf is
       treated as a parameter.
     depends_on_batch: per output leaf, whether it depends on a batch leaf.
+    marker_index: index of the one top-level gradient marker (``jaxdist.grad``) in
+      ``closed_jaxpr``, or None.
+    num_markers: gradient markers found anywhere in the step (0 without jaxdist.grad).
+    micro_jaxpr: the step traced again with each batch leaf's dim 0 divided by the
+      number of micro-batches × batch shards (its gradient part is what runs per
+      micro-batch: shapes are baked into a jaxpr), or None.
+    micro_marker_index: the marker's index in ``micro_jaxpr``.
   """
 
   closed_jaxpr: Any
@@ -80,6 +88,10 @@ class TracedStep:
   batch_size: int | None
   roles_from_loss: bool
   depends_on_batch: tuple[bool, ...]
+  marker_index: int | None = None
+  num_markers: int = 0
+  micro_jaxpr: Any = None
+  micro_marker_index: int | None = None
 
   def leaves_with_role(self, role: str) -> list[int]:
     return [i for i, leaf in enumerate(self.inputs) if leaf.role == role]
@@ -145,20 +157,8 @@ def trace_step(fun, args: tuple, static_argnums: tuple[int, ...], batch_argnums:
       argnum_of_leaf.append(i)
   in_tree = tree_util.tree_structure(tuple(args[i] for i in dyn_argnums))
 
-  out_store = {}
-
-  def flat_fun(*flat):
-    dyn = tree_util.tree_unflatten(in_tree, flat)
-    full = list(args)
-    for i, value in zip(dyn_argnums, dyn):
-      full[i] = value
-    out = fun(*full)
-    out_leaves, out_store["tree"] = tree_util.tree_flatten(out)
-    out_store["paths"] = [tree_util.keystr(p) for p, _ in tree_util.tree_flatten_with_path(out)[0]]
-    return out_leaves
-
-  closed = jax.make_jaxpr(flat_fun)(*leaves)
-  out_tree = out_store["tree"]
+  closed, out_tree, out_paths, marker_index, num_markers = _trace_flat(
+      fun, args, dyn_argnums, in_tree, leaves)
   out_avals = tuple(v.aval for v in closed.jaxpr.outvars)
   sigs = [leaf_signature(x) for x in leaves]
 
@@ -171,7 +171,7 @@ def trace_step(fun, args: tuple, static_argnums: tuple[int, ...], batch_argnums:
 
   is_batch = [a in batch_argnums for a in argnum_of_leaf]
   batch_mask = sum(1 << k for k, b in enumerate(is_batch) if b)
-  out_deps = output_dependencies(closed.jaxpr, len(leaves))
+  out_deps = jaxpr_util.output_dependencies(closed.jaxpr, len(leaves))
   state_leaves = {src for src in output_source if src is not None}
   loss_deps = 0
   for k, dep in enumerate(out_deps):
@@ -194,10 +194,53 @@ def trace_step(fun, args: tuple, static_argnums: tuple[int, ...], batch_argnums:
                  for k in range(len(leaves)))
   return TracedStep(
       closed_jaxpr=closed, in_tree=in_tree, out_tree=out_tree, inputs=inputs,
-      out_avals=out_avals, out_paths=tuple("out" + p for p in out_store["paths"]),
+      out_avals=out_avals, out_paths=out_paths,
       output_source=tuple(output_source), donated_argnums=donated,
       batch_size=min(batch_dims) if batch_dims else None, roles_from_loss=roles_from_loss,
-      depends_on_batch=tuple(bool(d & batch_mask) for d in out_deps))
+      depends_on_batch=tuple(bool(d & batch_mask) for d in out_deps),
+      marker_index=marker_index, num_markers=num_markers)
+
+
+def _trace_flat(fun, args, dyn_argnums, in_tree, flat_args):
+  """make_jaxpr of ``fun`` on flat dynamic leaves (arrays or ShapeDtypeStructs).
+
+  Returns (closed_jaxpr, out_tree, out_paths, marker_index, num_markers). When the
+  step uses jaxdist.grad, jit bodies are inlined so that a marker inside a jitted helper
+  is visible at the top level; one inside a loop or a custom_vjp stays hidden.
+  """
+  out_store = {}
+
+  def flat_fun(*flat):
+    dyn = tree_util.tree_unflatten(in_tree, flat)
+    full = list(args)
+    for i, value in zip(dyn_argnums, dyn):
+      full[i] = value
+    out = fun(*full)
+    out_leaves, out_store["tree"] = tree_util.tree_flatten(out)
+    out_store["paths"] = tuple(
+        "out" + tree_util.keystr(p) for p, _ in tree_util.tree_flatten_with_path(out)[0])
+    return out_leaves
+
+  closed = jax.make_jaxpr(flat_fun)(*flat_args)
+  marker_index = None
+  num_markers = jaxpr_util.count_primitive(closed.jaxpr, grad_marker_p.name)
+  if num_markers:
+    closed = jaxpr_util.inline_calls(closed)
+    found = jaxpr_util.find_eqns(closed.jaxpr, grad_marker_p.name)
+    if num_markers == 1 and len(found) == 1:
+      marker_index = found[0]
+  return closed, out_store["tree"], out_store["paths"], marker_index, num_markers
+
+
+def with_micro_batch_trace(fun, args, static_argnums: tuple[int, ...], step: TracedStep,
+                           divisor: int) -> TracedStep:
+  """``step`` plus the trace of ``fun`` on batch leaves of dim 0 / ``divisor``."""
+  dyn_argnums = tuple(i for i in range(len(args)) if i not in static_argnums)
+  leaves = tree_util.tree_leaves(tuple(args[i] for i in dyn_argnums))
+  flat = [jax.ShapeDtypeStruct((info.shape[0] // divisor,) + info.shape[1:], info.dtype)
+          if info.role == BATCH else x for x, info in zip(leaves, step.inputs)]
+  closed, _, _, marker_index, _ = _trace_flat(fun, args, dyn_argnums, step.in_tree, flat)
+  return dataclasses.replace(step, micro_jaxpr=closed, micro_marker_index=marker_index)
 
 
 def _match_state(args, dyn_argnums, in_tree, sigs, argnum_of_leaf, out_tree, out_avals,
@@ -238,35 +281,3 @@ def _match_state(args, dyn_argnums, in_tree, sigs, argnum_of_leaf, out_tree, out
         output_source[o] = k
       break
   return output_source, state
-
-
-def output_dependencies(jaxpr, num_inputs: int) -> list[int]:
-  """For each output of ``jaxpr``, the set of inputs it depends on, as a bit mask.
-
-  Call-like equations (jit, custom_jvp/vjp, remat, closed_call) are followed inside;
-  loops and conditionals are treated as depending on all their operands.
-  """
-  deps = {}
-  for k, v in enumerate(jaxpr.invars[:num_inputs]):
-    deps[v] = 1 << k
-  return _propagate(jaxpr, deps)
-
-
-def _propagate(jaxpr, deps: dict) -> list[int]:
-  def get(v):
-    return 0 if isinstance(v, jex.Literal) else deps.get(v, 0)
-
-  for eqn in jaxpr.eqns:
-    in_deps = [get(v) for v in eqn.invars]
-    subs = list(jex.jaxprs_in_params(eqn.params))
-    if (len(subs) == 1 and eqn.primitive.name not in ("while", "scan", "cond")
-        and len(subs[0].invars) == len(eqn.invars) and len(subs[0].outvars) == len(eqn.outvars)):
-      out_deps = _propagate(subs[0], dict(zip(subs[0].invars, in_deps)))
-    else:
-      union = 0
-      for d in in_deps:
-        union |= d
-      out_deps = [union] * len(eqn.outvars)
-    for v, d in zip(eqn.outvars, out_deps):
-      deps[v] = d
-  return [get(v) for v in jaxpr.outvars]

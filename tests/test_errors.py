@@ -94,3 +94,12 @@ def test_errors_are_also_builtin_types():
   assert issubclass(errors.BatchDivisibilityError, ValueError)
   assert issubclass(errors.NonArrayLeafError, TypeError)
   assert issubclass(errors.UnknownArgumentError, TypeError)
+
+
+def test_reusing_a_donated_state_raises_instead_of_crashing():
+  state, batch = _state()
+  step = jd.parallelize(models.regression_step())
+  s1, _ = step(state, batch)
+  step(s1, batch)
+  with pytest.raises(errors.InvalidArgumentError, match=r"state\.params.*donated.*donate_argnums"):
+    step(s1, batch)

@@ -1,0 +1,163 @@
+"""Compute gradients per micro-batch and device, reduce once, then apply them.
+
+The traced step is split at the gradient marker (``jaxdist.grad``):
+
+- the *gradient part*, every equation the marker's operands depend on, runs inside
+  ``jax.shard_map`` over the batch mesh axes. Differentiation already happened when
+  the step was traced (outside any mesh), so these equations, evaluated on one
+  device's shard of the batch, give that device's partial gradient, unreduced; a
+  ``lax.scan`` over the ``k`` micro-batches sums them, so only one micro-batch's
+  activations are live at a time;
+- after the loop each marked value is reduced across devices exactly once: a
+  ``psum`` (replicated result), or a ``psum_scatter`` (reduce-scatter) where the
+  layout wants the gradient sharded (ZeRO). Float values are divided by
+  ``k × devices``: the mean over micro-batches and batch shards, which is the
+  full-batch value for a loss that is a mean over examples;
+- the *apply part*, the equations that produce the step's outputs from the marked
+  values (the optimizer update), runs as ordinary sharded code with the reduced
+  values substituted for the marker's outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from jaxdist import errors
+from jaxdist import jaxpr_util
+from jaxdist.trace import BATCH, TracedStep
+
+
+@dataclasses.dataclass(frozen=True)
+class GradSplit:
+  """Where the step splits around its gradient marker.
+
+  Attributes:
+    marker: index of the marker equation in the step's (global-batch) jaxpr.
+    kinds: per marker output, "value", "aux" or "grad".
+    apply_eqns: equations of the global jaxpr that produce the step's outputs from the
+      marked values (the marker itself excluded).
+    grad_jaxpr: the jaxpr the gradient part comes from, traced at micro-batch shape.
+    grad_marker: the marker's index in ``grad_jaxpr``.
+    grad_eqns: equations of ``grad_jaxpr`` that compute the marker's operands.
+    grad_inputs: positions of the step inputs the gradient part reads.
+  """
+
+  marker: int
+  kinds: tuple[str, ...]
+  apply_eqns: frozenset[int]
+  grad_jaxpr: object
+  grad_marker: int
+  grad_eqns: frozenset[int]
+  grad_inputs: tuple[int, ...]
+
+
+def split_at_marker(step: TracedStep) -> GradSplit:
+  """Finds the gradient and apply parts of ``step`` (which must have one marker)."""
+  jaxpr = step.closed_jaxpr.jaxpr
+  marker_eqn = jaxpr.eqns[step.marker_index]
+  apply_eqns = (jaxpr_util.needed_eqns(jaxpr, jaxpr.outvars, stop=[step.marker_index])
+                - {step.marker_index})
+  recomputed = apply_eqns & jaxpr_util.needed_eqns(jaxpr, marker_eqn.invars)
+  batch_ids = {k for k, leaf in enumerate(step.inputs) if leaf.role == BATCH}
+  if recomputed and set(jaxpr_util.free_invars(jaxpr, recomputed)) & batch_ids:
+    warnings.warn(
+        "the step uses batch-dependent values outside jaxdist.grad / value_and_grad (for "
+        "example metrics computed from the logits); they are computed a second time on the "
+        "whole batch. Return them as aux of jaxdist.value_and_grad(..., has_aux=True) instead.",
+        errors.JaxdistWarning, stacklevel=4)
+
+  if step.micro_jaxpr is None:
+    grad_closed, grad_marker = step.closed_jaxpr, step.marker_index
+  else:
+    grad_closed, grad_marker = step.micro_jaxpr, step.micro_marker_index
+  grad_marker_eqn = grad_closed.jaxpr.eqns[grad_marker]
+  kinds = tuple(marker_eqn.params["kinds"])
+  for kind, micro, full in zip(kinds, grad_marker_eqn.invars, marker_eqn.invars):
+    if micro.aval.shape != full.aval.shape:
+      raise errors.InvalidArgumentError(
+          f"a {kind} output of jaxdist.value_and_grad has shape {full.aval.shape} on the whole "
+          f"batch but {micro.aval.shape} on one micro-batch shard: it has a batch dimension. "
+          f"Marked values are averaged over micro-batches and devices, so return a reduced "
+          f"value (a mean or a sum) instead.")
+  grad_eqns = jaxpr_util.needed_eqns(grad_closed.jaxpr, grad_marker_eqn.invars)
+  return GradSplit(step.marker_index, kinds, frozenset(apply_eqns), grad_closed, grad_marker,
+                   frozenset(grad_eqns),
+                   tuple(jaxpr_util.free_invars(grad_closed.jaxpr, grad_eqns)))
+
+
+def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro_batches: int,
+                  reduce_specs: tuple[PartitionSpec | None, ...]):
+  """The step as a function of flat input leaves, gradients accumulated and reduced once.
+
+  Args:
+    step: a traced step with exactly one gradient marker and, when the batch is split,
+      its micro-batch trace (``trace.with_micro_batch_trace``).
+    mesh: the ``jax.sharding.Mesh``.
+    batch_axes: mesh axes the batch is split over (the shard_map's manual axes).
+    num_micro_batches: k >= 1.
+    reduce_specs: per marker output, None for a replicated result (psum), or the
+      sharded spec of a reduce-scatter (exactly one dimension split over
+      ``batch_axes``).
+  """
+  split = split_at_marker(step)
+  closed = step.closed_jaxpr
+  jaxpr = closed.jaxpr
+  grad_jaxpr = split.grad_jaxpr.jaxpr
+  grad_marker_eqn = grad_jaxpr.eqns[split.grad_marker]
+  num_shards = math.prod(mesh.shape[a] for a in batch_axes)
+  k = num_micro_batches
+  axes = batch_axes if len(batch_axes) > 1 else batch_axes[0]
+  is_batch = [step.inputs[i].role == BATCH for i in split.grad_inputs]
+
+  def grads_one(values):
+    env = dict(zip(grad_jaxpr.constvars, split.grad_jaxpr.consts))
+    env.update((grad_jaxpr.invars[i], x) for i, x in zip(split.grad_inputs, values))
+    jaxpr_util.eval_eqns(grad_jaxpr, env, split.grad_eqns)
+    return [jaxpr_util.read(env, v) for v in grad_marker_eqn.invars]
+
+  def local(*values):
+    if k == 1:
+      sums = grads_one(values)
+    else:
+      micro = [x.reshape(k, x.shape[0] // k, *x.shape[1:]) for x, b in zip(values, is_batch) if b]
+
+      def body(acc, xs):
+        it = iter(xs)
+        outs = grads_one([next(it) if b else x for x, b in zip(values, is_batch)])
+        return [a + o for a, o in zip(acc, outs)], None
+
+      init = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in grad_marker_eqn.invars]
+      sums, _ = jax.lax.scan(body, init, micro)
+    reduced = []
+    for x, spec in zip(sums, reduce_specs):
+      if jnp.issubdtype(x.dtype, jnp.inexact):
+        x = x / (k * num_shards)
+      if spec is None:
+        reduced.append(jax.lax.psum(x, axes))
+      else:
+        dim = next(d for d, entry in enumerate(spec) if entry is not None)
+        reduced.append(jax.lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True))
+    return tuple(reduced)
+
+  in_specs = tuple(PartitionSpec(axes) if b else PartitionSpec() for b in is_batch)
+  out_specs = tuple(PartitionSpec() if s is None else s for s in reduce_specs)
+  # check_vma=False: the re-bound equations mix per-device and replicated operands
+  # without the casts jnp code would insert; every output is reduced explicitly above.
+  region = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         axis_names=set(batch_axes), check_vma=False)
+
+  def run(*leaves):
+    marked = region(*[leaves[i] for i in split.grad_inputs])
+    env = dict(zip(jaxpr.constvars, closed.consts))
+    env.update(zip(jaxpr.invars, leaves))
+    jaxpr_util.eval_eqns(jaxpr, env, split.apply_eqns | {split.marker},
+                         substitute={split.marker: marked})
+    return [jaxpr_util.read(env, v) for v in jaxpr.outvars]
+
+  return run

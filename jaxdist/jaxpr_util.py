@@ -1,0 +1,150 @@
+"""Re-interpreting jaxprs: evaluate, inline calls, slice, and trace dependencies."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import jax
+import jax.extend.core as jex
+
+# Call-like primitives whose body is inlined when a jaxpr is flattened.
+_INLINE = ("jit", "pjit", "closed_call", "core_call")
+
+
+def read(env, v):
+  """The value of a jaxpr atom: a literal's value or the variable's binding."""
+  return v.val if isinstance(v, jex.Literal) else env[v]
+
+
+def bind_eqn(eqn, invals: Sequence) -> list:
+  """Evaluates one equation on concrete values or tracers; returns its outputs."""
+  with eqn.ctx.manager:
+    out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def eval_eqns(jaxpr, env: dict, eqn_ids: Iterable[int] | None = None, inline: bool = False,
+              substitute: dict | None = None) -> dict:
+  """Evaluates equations of ``jaxpr`` in order, reading and writing ``env`` (var → value).
+
+  Args:
+    jaxpr: an open jaxpr whose invars/constvars needed are already in ``env``.
+    env: bindings; updated in place and returned.
+    eqn_ids: which equations to evaluate (default all), in jaxpr order.
+    inline: evaluate the bodies of jit/closed_call equations instead of binding them.
+    substitute: equation index → output values to use instead of evaluating it.
+  """
+  ids = range(len(jaxpr.eqns)) if eqn_ids is None else sorted(eqn_ids)
+  for i in ids:
+    eqn = jaxpr.eqns[i]
+    if substitute and i in substitute:
+      outs = substitute[i]
+    else:
+      invals = [read(env, v) for v in eqn.invars]
+      sub = _call_body(eqn) if inline else None
+      if sub is not None:
+        inner = dict(zip(sub.jaxpr.constvars, sub.consts))
+        inner.update(zip(sub.jaxpr.invars, invals))
+        eval_eqns(sub.jaxpr, inner, inline=True)
+        outs = [read(inner, v) for v in sub.jaxpr.outvars]
+      else:
+        outs = bind_eqn(eqn, invals)
+    for v, x in zip(eqn.outvars, outs):
+      if not isinstance(v, jex.DropVar):
+        env[v] = x
+  return env
+
+
+def _call_body(eqn):
+  if eqn.primitive.name not in _INLINE:
+    return None
+  body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+  if isinstance(body, jex.ClosedJaxpr):
+    return body
+  if isinstance(body, jex.Jaxpr):
+    return jex.ClosedJaxpr(body, ())
+  return None
+
+
+def inline_calls(closed: jex.ClosedJaxpr) -> jex.ClosedJaxpr:
+  """The same computation with jit / closed_call bodies inlined at the top level."""
+  def run(*args):
+    env = dict(zip(closed.jaxpr.constvars, closed.consts))
+    env.update(zip(closed.jaxpr.invars, args))
+    eval_eqns(closed.jaxpr, env, inline=True)
+    return [read(env, v) for v in closed.jaxpr.outvars]
+
+  specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+           for v in closed.jaxpr.invars]
+  return jax.make_jaxpr(run)(*specs)
+
+
+def needed_eqns(jaxpr, outvars: Sequence, stop: Iterable[int] = ()) -> set[int]:
+  """Indices of the equations needed to compute ``outvars``.
+
+  Equations in ``stop`` are included when needed, but their inputs are not followed
+  (their outputs will be substituted).
+  """
+  stop = set(stop)
+  producer = {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.outvars:
+      producer[v] = i
+  needed, todo = set(), [v for v in outvars if not isinstance(v, jex.Literal)]
+  while todo:
+    i = producer.get(todo.pop())
+    if i is None or i in needed:
+      continue
+    needed.add(i)
+    if i not in stop:
+      todo += [v for v in jaxpr.eqns[i].invars if not isinstance(v, jex.Literal)]
+  return needed
+
+
+def free_invars(jaxpr, eqn_ids: Iterable[int]) -> list[int]:
+  """Positions of ``jaxpr.invars`` read by the given equations."""
+  used = {v for i in eqn_ids for v in jaxpr.eqns[i].invars if not isinstance(v, jex.Literal)}
+  return [k for k, v in enumerate(jaxpr.invars) if v in used]
+
+
+def find_eqns(jaxpr, primitive_name: str) -> list[int]:
+  return [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == primitive_name]
+
+
+def count_primitive(jaxpr, primitive_name: str) -> int:
+  """How often ``primitive_name`` occurs, sub-jaxprs included."""
+  return sum((eqn.primitive.name == primitive_name)
+             + sum(count_primitive(sub, primitive_name) for sub in jex.jaxprs_in_params(eqn.params))
+             for eqn in jaxpr.eqns)
+
+
+def output_dependencies(jaxpr, num_inputs: int) -> list[int]:
+  """For each output of ``jaxpr``, the set of inputs it depends on, as a bit mask.
+
+  Call-like equations (jit, custom_jvp/vjp, remat, closed_call) are followed inside;
+  loops and conditionals are treated as depending on all their operands.
+  """
+  deps = {}
+  for k, v in enumerate(jaxpr.invars[:num_inputs]):
+    deps[v] = 1 << k
+  return _propagate(jaxpr, deps)
+
+
+def _propagate(jaxpr, deps: dict) -> list[int]:
+  def get(v):
+    return 0 if isinstance(v, jex.Literal) else deps.get(v, 0)
+
+  for eqn in jaxpr.eqns:
+    in_deps = [get(v) for v in eqn.invars]
+    subs = list(jex.jaxprs_in_params(eqn.params))
+    if (len(subs) == 1 and eqn.primitive.name not in ("while", "scan", "cond")
+        and len(subs[0].invars) == len(eqn.invars) and len(subs[0].outvars) == len(eqn.outvars)):
+      out_deps = _propagate(subs[0], dict(zip(subs[0].invars, in_deps)))
+    else:
+      union = 0
+      for d in in_deps:
+        union |= d
+      out_deps = [union] * len(eqn.outvars)
+    for v, d in zip(eqn.outvars, out_deps):
+      deps[v] = d
+  return [get(v) for v in jaxpr.outvars]
