@@ -63,13 +63,12 @@ def split_at_marker(step: TracedStep) -> GradSplit:
   marker_eqn = jaxpr.eqns[step.marker_index]
   apply_eqns = (jaxpr_util.needed_eqns(jaxpr, jaxpr.outvars, stop=[step.marker_index])
                 - {step.marker_index})
-  recomputed = apply_eqns & jaxpr_util.needed_eqns(jaxpr, marker_eqn.invars)
   batch_ids = {k for k, leaf in enumerate(step.inputs) if leaf.role == BATCH}
-  if recomputed and set(jaxpr_util.free_invars(jaxpr, recomputed)) & batch_ids:
+  if set(jaxpr_util.free_invars(jaxpr, apply_eqns)) & batch_ids:
     warnings.warn(
-        "the step uses batch-dependent values outside jaxdist.grad / value_and_grad (for "
-        "example metrics computed from the logits); they are computed a second time on the "
-        "whole batch. Return them as aux of jaxdist.value_and_grad(..., has_aux=True) instead.",
+        "the step uses the batch outside jaxdist.grad / value_and_grad (for example metrics "
+        "from a second forward pass); that part runs on the whole batch at once, not per "
+        "micro-batch. Return such values as aux of jaxdist.value_and_grad(..., has_aux=True).",
         errors.JaxdistWarning, stacklevel=4)
 
   if step.micro_jaxpr is None:

@@ -101,5 +101,5 @@ def test_reusing_a_donated_state_raises_instead_of_crashing():
   step = jd.parallelize(models.regression_step())
   s1, _ = step(state, batch)
   step(s1, batch)
-  with pytest.raises(errors.InvalidArgumentError, match=r"state\.params.*donated.*donate_argnums"):
+  with pytest.raises(errors.InvalidArgumentError, match=r"state\.step was deleted.*donated.*donate_argnums"):
     step(s1, batch)

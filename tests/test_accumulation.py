@@ -1,0 +1,154 @@
+"""Gradient accumulation: numerics, one reduction per step, memory, markers, errors.
+
+Tolerances as in test_numerics.py (SGD + momentum: only summation order differs).
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jaxdist as jd
+from jaxdist import errors, models
+from helpers import assert_trees_close, to_host
+
+METHODS = [jd.DataParallel, jd.Zero2Parallel, jd.Zero3Parallel]
+
+
+def _gpt_setup(batch_size=32, depth=2, width=64, seq_len=32):
+  config = models.GPTConfig(vocab=256, width=width, heads=4, depth=depth, seq_len=seq_len)
+  batch = models.token_batch(batch_size, config)
+  make = lambda: models.create_state(models.GPT(config), batch["tokens"][:, :-1],
+                                     tx=optax.sgd(0.1, momentum=0.9))
+  return make, batch
+
+
+def _mlp_setup():
+  batch = models.regression_batch(64, 32)
+  model = models.MLP(hidden=64, num_layers=3)
+  make = lambda: models.create_state(model, batch["x"], tx=optax.sgd(0.05, momentum=0.9))
+  return make, batch
+
+
+def _two_steps(step, state, batch):
+  s1, m1 = step(state, batch)
+  first = to_host((s1, m1))
+  return first, to_host(step(s1, batch))
+
+
+@pytest.mark.parametrize("method_cls", METHODS)
+@pytest.mark.parametrize("setup,step_fn", [(_mlp_setup, models.regression_step),
+                                           (_gpt_setup, models.lm_step)], ids=["mlp", "gpt"])
+def test_four_micro_batches_equal_the_full_batch_step(method_cls, setup, step_fn):
+  make, batch = setup()
+  expected = _two_steps(jax.jit(step_fn()), make(), batch)
+  step = jd.parallelize(step_fn(jd.value_and_grad), method=method_cls(num_micro_batches=4))
+  actual = _two_steps(step, make(), batch)
+  assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6)
+  assert step.get_executable(make(), batch).plan.num_micro_batches == 4
+
+
+@pytest.mark.parametrize("method_cls", METHODS)
+def test_gradients_are_reduced_once_per_step(method_cls):
+  make, batch = _mlp_setup()
+  wire = {}
+  for k in (1, 4):
+    step = jd.parallelize(models.regression_step(jd.value_and_grad),
+                          method=method_cls(num_micro_batches=k))
+    comm = step.get_executable(make(), batch).communication()
+    wire[k] = {kind: s.wire_bytes for kind, s in comm.items() if kind != "all-gather"}
+  param_bytes = sum(x.nbytes for x in jax.tree.leaves(make().params))
+  assert sum(wire[1].values()) >= 7 / 8 * param_bytes  # the gradients do cross devices
+  for kind in wire[4]:
+    assert wire[4][kind] <= 1.1 * wire[1][kind], (kind, wire)
+  if method_cls is jd.DataParallel:
+    assert set(wire[4]) == {"all-reduce"}
+  else:  # ZeRO: the gradients are reduce-scattered, only the loss is all-reduced
+    assert wire[4]["reduce-scatter"] == pytest.approx(7 / 8 * param_bytes, rel=0.01)
+
+
+def test_only_one_micro_batch_of_activations_is_live():
+  make, batch = _gpt_setup(batch_size=64, depth=2, width=32, seq_len=64)
+  temp = {}
+  for k in (1, 4):
+    step = jd.parallelize(models.lm_step(jd.value_and_grad),
+                          method=jd.DataParallel(num_micro_batches=k))
+    temp[k] = step.get_executable(make(), batch).memory_analysis().temp_size_in_bytes
+  assert temp[4] <= 0.5 * temp[1], temp
+
+
+def test_marker_is_an_identity_outside_parallelize():
+  f = lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2)
+  w, x = jnp.ones((4, 3)) * 0.1, jnp.arange(8.0).reshape(2, 4)
+  assert_trees_close(jd.grad(f)(w, x), jax.grad(f)(w, x), rtol=0, atol=0)
+  assert_trees_close(jax.jit(jd.value_and_grad(f))(w, x), jax.value_and_grad(f)(w, x),
+                     rtol=1e-6, atol=0)
+  batched = jax.vmap(jd.grad(f), in_axes=(None, 0))(w, x[:, None])
+  assert_trees_close(batched, jax.vmap(jax.grad(f), in_axes=(None, 0))(w, x[:, None]),
+                     rtol=1e-6, atol=0)
+  aux = jd.value_and_grad(lambda w: (f(w, x), {"n": 3}), has_aux=True)(w)
+  assert aux[0][1] == {"n": 3}
+
+
+def test_aux_is_averaged_and_a_jitted_helper_is_looked_into():
+  make, batch = _mlp_setup()
+
+  def step(state, batch):
+    @jax.jit
+    def grads(params):
+      def loss_fn(p):
+        err = state.apply_fn(p, batch["x"]) - batch["y"]
+        return jnp.mean(err ** 2), {"mae": jnp.mean(jnp.abs(err))}
+      return jd.value_and_grad(loss_fn, has_aux=True)(params)
+    (loss, aux), g = grads(state.params)
+    return state.apply_gradients(grads=g), {"loss": loss, **aux}
+
+  expected = jax.jit(step)(make(), batch)
+  actual = jd.parallelize(step, method=jd.DataParallel(num_micro_batches=2))(make(), batch)
+  assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_metrics_outside_grad_warn_and_stay_correct():
+  make, batch = _mlp_setup()
+
+  def step(state, batch):
+    loss, g = jd.value_and_grad(
+        lambda p: jnp.mean((state.apply_fn(p, batch["x"]) - batch["y"]) ** 2))(state.params)
+    pred = state.apply_fn(state.params, batch["x"])  # a second forward, outside the marker
+    return state.apply_gradients(grads=g), {"loss": loss, "pred_mean": pred.mean()}
+
+  expected = jax.jit(step)(make(), batch)
+  with pytest.warns(errors.JaxdistWarning, match="outside jaxdist.grad"):
+    actual = jd.parallelize(step, method=jd.DataParallel(num_micro_batches=2))(make(), batch)
+  assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_micro_batches_must_divide_the_batch():
+  make, batch = _mlp_setup()  # batch 64 = 8 devices x 8
+  step = jd.parallelize(models.regression_step(jd.value_and_grad),
+                        method=jd.DataParallel(num_micro_batches=3))
+  with pytest.raises(errors.BatchDivisibilityError,
+                     match=r"batch\['x'\].*\(64, 32\).*num_micro_batches=3.*multiple of 24"):
+    step(make(), batch)
+
+
+def test_micro_batches_need_jaxdist_grad():
+  make, batch = _mlp_setup()
+  step = jd.parallelize(models.regression_step(jax.value_and_grad),
+                        method=jd.Zero2Parallel(num_micro_batches=2))
+  with pytest.raises(errors.GradientMarkerError, match=r"num_micro_batches=2.*jaxdist.grad"):
+    step(make(), batch)
+
+
+def test_per_example_aux_is_rejected_with_micro_batches():
+  make, batch = _mlp_setup()
+
+  def step(state, batch):
+    def loss_fn(p):
+      pred = state.apply_fn(p, batch["x"])
+      return jnp.mean((pred - batch["y"]) ** 2), pred
+    (loss, pred), g = jd.value_and_grad(loss_fn, has_aux=True)(state.params)
+    return state.apply_gradients(grads=g), loss
+
+  with pytest.raises(errors.InvalidArgumentError, match=r"aux.*\(64, 8\).*batch dimension"):
+    jd.parallelize(step, method=jd.DataParallel(num_micro_batches=2))(make(), batch)
