@@ -14,6 +14,7 @@ from jaxdist import methods as m
 from jaxdist.executable import Executable, compile_layout, make_plan
 from jaxdist.layouts import data_parallel_layout
 from jaxdist.mesh import LogicalMesh
+from jaxdist.recompute import RecomputeRequest, recomputing
 from jaxdist.trace import is_array, leaf_signature, trace_step, with_micro_batch_trace
 
 
@@ -138,13 +139,23 @@ class ParallelizedFunc:
             f"batch argument {b} ({args[b]!r:.60}) holds no arrays; batch arguments must be "
             f"arrays or pytrees of arrays with a leading batch dimension.")
     lmesh = self._mesh()
-    step = trace_step(self.fun, args, static, self.batch_argnums, self.donate_argnums)
-    layout = data_parallel_layout(self.method, step, lmesh)
-    if layout.grad_reduce_specs is not None:
-      divisor = layout.num_micro_batches * math.prod(
-          lmesh.axis_size(a) for a in layout.batch_axes)
-      if divisor > 1:
-        step = with_micro_batch_trace(self.fun, args, static, step, divisor)
+    request = (None if self.method.recompute_modules is None else
+               RecomputeRequest.parse(self.method.recompute_modules, self.method.name))
+    with recomputing(request):
+      step = trace_step(self.fun, args, static, self.batch_argnums, self.donate_argnums)
+      layout = data_parallel_layout(self.method, step, lmesh)
+      if request is not None and layout.grad_reduce_specs is None:
+        raise errors.GradientMarkerError(
+            f"{self.method.name}(recompute_modules={self.method.recompute_modules!r}) is "
+            f"applied by jaxdist.grad / jaxdist.value_and_grad, and the step does not use them "
+            f"(exactly once, at its top level). Use jaxdist.value_and_grad (same signature).")
+      if request is not None:
+        request.check_all_matched(self.method.name)
+      if layout.grad_reduce_specs is not None:
+        divisor = layout.num_micro_batches * math.prod(
+            lmesh.axis_size(a) for a in layout.batch_axes)
+        if divisor > 1:
+          step = with_micro_batch_trace(self.fun, args, static, step, divisor)
     compiled = compile_layout(step, layout)
     plan = make_plan(self.method.name, step, layout, num_micro_batches=layout.num_micro_batches)
     dyn_argnums = tuple(i for i in range(len(args)) if i not in static)

@@ -1,7 +1,8 @@
 """``jaxdist.grad`` / ``jaxdist.value_and_grad``: jax's, plus a marker in the jaxpr.
 
 The marker is an identity primitive over the results (value, aux and gradient
-leaves). It tells the planner where "compute gradients" ends and "apply gradients"
+leaves). While jaxdist traces a step, the method's ``recompute_modules`` is applied to
+the function being differentiated (``jaxdist.recompute``). It tells the planner where "compute gradients" ends and "apply gradients"
 begins, so that gradients can be accumulated over micro-batches and reduced across
 devices once per step. Outside ``jaxdist.parallelize`` it is a plain identity.
 """
@@ -13,6 +14,8 @@ from collections.abc import Callable, Sequence
 import jax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
+
+from jaxdist.recompute import with_recompute
 
 VALUE, AUX, GRAD = "value", "aux", "grad"
 
@@ -54,7 +57,7 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
   Returns:
     A function returning ``(value, grads)`` or ``((value, aux), grads)``.
   """
-  vg = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux, **kwargs)
+  vg = jax.value_and_grad(with_recompute(fun), argnums=argnums, has_aux=has_aux, **kwargs)
 
   def run(*args, **kw):
     if has_aux:
@@ -71,7 +74,7 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
 def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
          **kwargs) -> Callable:
   """Like ``jax.grad``, and marks the gradients for jaxdist (see :func:`value_and_grad`)."""
-  g = jax.grad(fun, argnums=argnums, has_aux=has_aux, **kwargs)
+  g = jax.grad(with_recompute(fun), argnums=argnums, has_aux=has_aux, **kwargs)
 
   def run(*args, **kw):
     if has_aux:

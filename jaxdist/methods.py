@@ -11,6 +11,7 @@ import functools
 from typing import Any
 
 from jaxdist import errors
+from jaxdist.recompute import RecomputeRequest
 
 
 def _method(cls):
@@ -38,8 +39,11 @@ class Method:
 
   devices: Any
   num_micro_batches: int | None
+  recompute_modules: str | None
 
   def _validate(self):
+    if self.recompute_modules is not None:
+      RecomputeRequest.parse(self.recompute_modules, type(self).__name__)
     n = self.num_micro_batches
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
       raise errors.InvalidArgumentError(
@@ -61,10 +65,14 @@ class DataParallel(Method):
       ``jaxdist.LogicalMesh``. The batch is split over every mesh axis.
     num_micro_batches: split the batch into this many micro-batches and accumulate
       gradients (needs ``jaxdist.grad`` / ``jaxdist.value_and_grad``).
+    recompute_modules: comma-separated flax module names (path suffixes or class
+      names) whose activations are recomputed in the backward pass instead of kept;
+      ``"ROOT"`` for the whole model (needs ``jaxdist.grad`` / ``value_and_grad``).
   """
 
   devices: Any = None
   num_micro_batches: int | None = None
+  recompute_modules: str | None = None
 
 
 @_method
@@ -81,6 +89,7 @@ class Zero2Parallel(Method):
 
   devices: Any = None
   num_micro_batches: int | None = None
+  recompute_modules: str | None = None
 
 
 @_method
@@ -92,3 +101,4 @@ class Zero3Parallel(Method):
 
   devices: Any = None
   num_micro_batches: int | None = None
+  recompute_modules: str | None = None
