@@ -22,6 +22,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/zero_memory.py
 	$(PY) bench/overhead.py
+	$(PY) bench/accumulation.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
