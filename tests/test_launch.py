@@ -1,4 +1,5 @@
-"""python -m jaxdist.launch: a 2-process cluster gives the single-process DataParallel result."""
+"""python -m jaxdist.launch: a 2-process cluster gives the serial result (DataParallel, and
+Zero2Parallel with micro-batches)."""
 
 import json
 import os
@@ -9,7 +10,6 @@ import jax
 import numpy as np
 import optax
 
-import jaxdist as jd
 from jaxdist import models
 
 HERE = os.path.dirname(__file__)
@@ -30,18 +30,19 @@ def test_two_process_data_parallel_matches_single_process():
   assert result["processes"] == 2 and result["devices"] == 8
   assert any(l.startswith("[1] mean") for l in proc.stdout.splitlines())  # both streamed
 
-  # The same two steps in this single process on 8 devices (see dp_worker.py).
+  # The same two steps, serial, in this process (see dp_worker.py).
   model = models.MLP(hidden=64, num_layers=2)
   batch = models.regression_batch(32, 16)
   state = models.create_state(model, batch["x"], tx=optax.sgd(0.1, momentum=0.9))
-  step = jd.parallelize(models.regression_step(), method=jd.DataParallel())
+  step = jax.jit(models.regression_step())
   losses = []
   for _ in range(2):
     state, metrics = step(state, batch)
     losses.append(float(metrics["loss"]))
-  np.testing.assert_allclose(result["losses"], losses, rtol=1e-5)
-  np.testing.assert_allclose(result["kernel_sum"],
-                             float(state.params["params"]["Dense_0"]["kernel"].sum()), rtol=1e-5)
+  kernel_sum = float(state.params["params"]["Dense_0"]["kernel"].sum())
+  for name in ("dp", "zero2_k2"):
+    np.testing.assert_allclose(result[name]["losses"], losses, rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(result[name]["kernel_sum"], kernel_sum, rtol=1e-5, err_msg=name)
 
 
 def test_a_failing_process_fails_the_launch():
