@@ -8,19 +8,23 @@ from jaxdist.grad import grad as grad
 from jaxdist.grad import value_and_grad as value_and_grad
 from jaxdist.launch import init_distributed as init_distributed
 from jaxdist.mesh import LogicalMesh as LogicalMesh
+from jaxdist.methods import AutoShardingOption as AutoShardingOption
 from jaxdist.methods import DataParallel as DataParallel
 from jaxdist.methods import Method as Method
+from jaxdist.methods import ShardParallel as ShardParallel
 from jaxdist.methods import Zero2Parallel as Zero2Parallel
 from jaxdist.methods import Zero3Parallel as Zero3Parallel
 from jaxdist.plan import Plan as Plan
 
 __all__ = [
+    "AutoShardingOption",
     "DataParallel",
     "Executable",
     "LogicalMesh",
     "Method",
     "ParallelizedFunc",
     "Plan",
+    "ShardParallel",
     "Zero2Parallel",
     "Zero3Parallel",
     "errors",

@@ -15,6 +15,7 @@ from jaxdist.executable import Executable, compile_layout, make_plan
 from jaxdist.layouts import data_parallel_layout
 from jaxdist.mesh import LogicalMesh
 from jaxdist.recompute import RecomputeRequest, recomputing
+from jaxdist.shard.planner import plan_shard_parallel
 from jaxdist.trace import is_array, leaf_signature, trace_step, with_micro_batch_trace
 
 
@@ -141,9 +142,13 @@ class ParallelizedFunc:
     lmesh = self._mesh()
     request = (None if self.method.recompute_modules is None else
                RecomputeRequest.parse(self.method.recompute_modules, self.method.name))
+    objective, mesh_objectives = None, None
     with recomputing(request):
       step = trace_step(self.fun, args, static, self.batch_argnums, self.donate_argnums)
-      layout = data_parallel_layout(self.method, step, lmesh)
+      if isinstance(self.method, m.ShardParallel):
+        step, layout, objective, mesh_objectives = plan_shard_parallel(self.method, step, lmesh)
+      else:
+        layout = data_parallel_layout(self.method, step, lmesh)
       if request is not None and layout.grad_reduce_specs is None:
         raise errors.GradientMarkerError(
             f"{self.method.name}(recompute_modules={self.method.recompute_modules!r}) is "
@@ -157,7 +162,8 @@ class ParallelizedFunc:
         if divisor > 1:
           step = with_micro_batch_trace(self.fun, args, static, step, divisor)
     compiled = compile_layout(step, layout)
-    plan = make_plan(self.method.name, step, layout, num_micro_batches=layout.num_micro_batches)
+    plan = make_plan(self.method.name, step, layout, num_micro_batches=layout.num_micro_batches,
+                     objective=objective, mesh_objectives=mesh_objectives)
     dyn_argnums = tuple(i for i in range(len(args)) if i not in static)
     return Executable(step, layout, compiled, plan, dyn_argnums)
 

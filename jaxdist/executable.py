@@ -8,6 +8,7 @@ from jax import tree_util
 from jax.sharding import NamedSharding
 
 from jaxdist import errors
+from jaxdist import jaxpr_util
 from jaxdist.accumulate import split_step_fn
 from jaxdist import inspect as hlo_inspect
 from jaxdist.layouts import Layout
@@ -124,7 +125,9 @@ def compile_layout(step: TracedStep, layout: Layout):
   in_shardings = tuple(NamedSharding(mesh, s) for s in layout.in_specs)
   out_shardings = tuple(NamedSharding(mesh, s) for s in layout.out_specs)
   donated = {k for k, leaf in enumerate(step.inputs) if leaf.argnum in step.donated_argnums}
-  if layout.grad_reduce_specs is None:
+  if layout.eqn_constraints:
+    flat_fun = constrained_fn(step.closed_jaxpr, mesh, layout.eqn_constraints)
+  elif layout.grad_reduce_specs is None:
     flat_fun = jax.extend.core.jaxpr_as_fun(step.closed_jaxpr)
   else:
     flat_fun = split_step_fn(step, mesh, layout.batch_axes, layout.num_micro_batches,
@@ -141,3 +144,21 @@ def compile_layout(step: TracedStep, layout: Layout):
   args = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s)
           for leaf, s in zip(step.inputs, in_shardings)]
   return jitted.lower(*args).compile()
+
+
+def constrained_fn(closed, mesh, eqn_constraints):
+  """Evaluates ``closed`` with ``with_sharding_constraint`` on the chosen equations' outputs."""
+  shardings = {i: [NamedSharding(mesh, s) for s in specs] for i, specs in eqn_constraints.items()}
+
+  def after(i, outs):
+    if i not in shardings:
+      return outs
+    return [jax.lax.with_sharding_constraint(o, s) for o, s in zip(outs, shardings[i])]
+
+  def run(*leaves):
+    env = dict(zip(closed.jaxpr.constvars, closed.consts))
+    env.update(zip(closed.jaxpr.invars, leaves))
+    jaxpr_util.eval_eqns(closed.jaxpr, env, after=after)
+    return [jaxpr_util.read(env, v) for v in closed.jaxpr.outvars]
+
+  return run

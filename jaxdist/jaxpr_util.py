@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import jax.extend.core as jex
 
 # Call-like primitives whose body is inlined when a jaxpr is flattened.
-_INLINE = ("jit", "pjit", "closed_call", "core_call")
+CALLS = ("jit", "pjit", "closed_call", "core_call")
 
 
 def read(env, v):
@@ -23,16 +23,19 @@ def bind_eqn(eqn, invals: Sequence) -> list:
   return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def eval_eqns(jaxpr, env: dict, eqn_ids: Iterable[int] | None = None, inline: bool = False,
-              substitute: dict | None = None) -> dict:
+def eval_eqns(jaxpr, env: dict, eqn_ids: Iterable[int] | None = None,
+              inline: Sequence[str] = (), substitute: dict | None = None,
+              after: Callable | None = None) -> dict:
   """Evaluates equations of ``jaxpr`` in order, reading and writing ``env`` (var → value).
 
   Args:
     jaxpr: an open jaxpr whose invars/constvars needed are already in ``env``.
     env: bindings; updated in place and returned.
     eqn_ids: which equations to evaluate (default all), in jaxpr order.
-    inline: evaluate the bodies of jit/closed_call equations instead of binding them.
+    inline: primitive names whose bodies are evaluated instead of binding them.
     substitute: equation index → output values to use instead of evaluating it.
+    after: ``after(index, outputs) -> outputs`` applied to each evaluated equation's
+      outputs (to add sharding constraints).
   """
   ids = range(len(jaxpr.eqns)) if eqn_ids is None else sorted(eqn_ids)
   for i in ids:
@@ -41,14 +44,16 @@ def eval_eqns(jaxpr, env: dict, eqn_ids: Iterable[int] | None = None, inline: bo
       outs = substitute[i]
     else:
       invals = [read(env, v) for v in eqn.invars]
-      sub = _call_body(eqn) if inline else None
+      sub = _call_body(eqn) if eqn.primitive.name in inline else None
       if sub is not None:
         inner = dict(zip(sub.jaxpr.constvars, sub.consts))
         inner.update(zip(sub.jaxpr.invars, invals))
-        eval_eqns(sub.jaxpr, inner, inline=True)
+        eval_eqns(sub.jaxpr, inner, inline=inline)
         outs = [read(inner, v) for v in sub.jaxpr.outvars]
       else:
         outs = bind_eqn(eqn, invals)
+      if after is not None:
+        outs = after(i, outs)
     for v, x in zip(eqn.outvars, outs):
       if not isinstance(v, jex.DropVar):
         env[v] = x
@@ -56,8 +61,6 @@ def eval_eqns(jaxpr, env: dict, eqn_ids: Iterable[int] | None = None, inline: bo
 
 
 def _call_body(eqn):
-  if eqn.primitive.name not in _INLINE:
-    return None
   body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
   if isinstance(body, jex.ClosedJaxpr):
     return body
@@ -66,12 +69,12 @@ def _call_body(eqn):
   return None
 
 
-def inline_calls(closed: jex.ClosedJaxpr) -> jex.ClosedJaxpr:
-  """The same computation with jit / closed_call bodies inlined at the top level."""
+def inline_calls(closed: jex.ClosedJaxpr, primitives: Sequence[str] = CALLS) -> jex.ClosedJaxpr:
+  """The same computation with the bodies of ``primitives`` inlined at the top level."""
   def run(*args):
     env = dict(zip(closed.jaxpr.constvars, closed.consts))
     env.update(zip(closed.jaxpr.invars, args))
-    eval_eqns(closed.jaxpr, env, inline=True)
+    eval_eqns(closed.jaxpr, env, inline=primitives)
     return [read(env, v) for v in closed.jaxpr.outvars]
 
   specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)

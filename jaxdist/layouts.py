@@ -40,6 +40,8 @@ class Layout:
     grad_reduce_specs: None to let XLA reduce gradients (no ``jaxdist.grad`` marker);
       otherwise, per marker output, None (all-reduce to a replicated value) or the
       sharded spec its reduce-scatter produces (see ``jaxdist.accumulate``).
+    eqn_constraints: equation index → specs its outputs are constrained to (the shard
+      planner's choices), applied while the jaxpr is re-interpreted.
   """
 
   logical_mesh: LogicalMesh
@@ -50,6 +52,7 @@ class Layout:
   num_micro_batches: int = 1
   batch_axes: tuple[str, ...] = ()
   grad_reduce_specs: tuple[PartitionSpec | None, ...] | None = None
+  eqn_constraints: dict[int, tuple[PartitionSpec, ...]] | None = None
 
 
 def batch_spec(lmesh: LogicalMesh) -> PartitionSpec:

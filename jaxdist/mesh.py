@@ -13,9 +13,11 @@ from jax.sharding import AxisType, Mesh
 
 from jaxdist import errors
 
-# Defaults for the cost model when the user gives none: roughly a fast intra-node link
-# (5 microseconds latency, 100 GB/s). Only ratios between axes matter to the planners.
-DEFAULT_ALPHA_S = 5e-6
+# Defaults for the cost model when the user gives none: a fast intra-node link of
+# 100 GB/s. The latency is per *tensor*: XLA combines independent collectives into one,
+# so a gradient all-reduce pays only a share of a launch (~10 µs); 0.1 µs keeps small
+# tensors from looking latency-bound.
+DEFAULT_ALPHA_S = 1e-7
 DEFAULT_BETA_S_PER_BYTE = 1e-11
 
 

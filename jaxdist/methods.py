@@ -14,7 +14,7 @@ from jaxdist import errors
 from jaxdist.recompute import RecomputeRequest
 
 
-def _method(cls):
+def _options(cls):
   """Makes ``cls`` a frozen dataclass whose constructor rejects unknown keywords by name."""
   cls = dataclasses.dataclass(frozen=True)(cls)
   init = cls.__init__
@@ -28,7 +28,8 @@ def _method(cls):
           f"{cls.__name__}() got unknown argument(s) {', '.join(map(repr, unknown))}; "
           f"valid arguments are: {', '.join(valid)}.")
     init(self, *args, **kwargs)
-    self._validate()
+    if hasattr(self, "_validate"):
+      self._validate()
 
   cls.__init__ = checked_init
   return cls
@@ -54,7 +55,7 @@ class Method:
     return type(self).__name__
 
 
-@_method
+@_options
 class DataParallel(Method):
   """Batch arguments split on dim 0 over all devices; everything else replicated.
 
@@ -75,7 +76,7 @@ class DataParallel(Method):
   recompute_modules: str | None = None
 
 
-@_method
+@_options
 class Zero2Parallel(Method):
   """Data parallel with optimizer state sharded over the devices (ZeRO stage 2).
 
@@ -92,7 +93,7 @@ class Zero2Parallel(Method):
   recompute_modules: str | None = None
 
 
-@_method
+@_options
 class Zero3Parallel(Method):
   """ZeRO stage 3: parameters are sharded between steps too and gathered for compute.
 
@@ -102,3 +103,104 @@ class Zero3Parallel(Method):
   devices: Any = None
   num_micro_batches: int | None = None
   recompute_modules: str | None = None
+
+
+SOLVERS = ("ilp",)
+
+
+@_options
+class AutoShardingOption:
+  """Options of the shard planner (Alpa's names where Alpa had the option).
+
+  Attributes:
+    allow_all_gather: allow plans whose resharding needs all-gathers.
+    allow_all_to_all: allow plans whose resharding needs all-to-alls.
+    allow_replicated_parameters: allow parameters to stay replicated.
+    force_data_parallel: plan plain data parallelism (batch over every axis).
+    force_batch_dim_to_mesh_dim: split every batch leaf's dim 0 over this mesh axis
+      (an index into the logical mesh shape), or None to let the planner choose.
+    prefer_reduce_scatter: keep optimizer state sharded (ZeRO-2-like): gradients are
+      then reduced into shards instead of all-reduced.
+    force_zero_stage_3: keep parameters and optimizer state sharded.
+    memory_budget_per_device: bytes each device may use at its peak (arguments,
+      outputs and live temporaries, as the planner estimates them); None: no limit.
+    partition_constraints: parameter-path pattern → ``PartitionSpec``. A pattern is
+      a glob on the leaf path where only ``*`` and ``?`` are wildcards
+      (``state.params*kernel``, ``state.params['params']['Dense_0']['bias']``);
+      matching leaves get that spec and the planner optimizes the rest.
+    solver: "ilp" (cvxpy + HiGHS).
+    solver_time_limit_s: seconds the solver may take per mesh shape; after it the best
+      plan found is used, with a warning.
+  """
+
+  allow_all_gather: bool = True
+  allow_all_to_all: bool = True
+  allow_replicated_parameters: bool = True
+  force_data_parallel: bool = False
+  force_batch_dim_to_mesh_dim: int | None = None
+  prefer_reduce_scatter: bool = False
+  force_zero_stage_3: bool = False
+  memory_budget_per_device: float | None = None
+  partition_constraints: Any = None
+  solver: str = "ilp"
+  solver_time_limit_s: float | None = None
+
+  def _validate(self):
+    if self.solver not in SOLVERS:
+      raise errors.InvalidArgumentError(
+          f"AutoShardingOption(solver={self.solver!r}) is not a known solver; valid: "
+          f"{', '.join(map(repr, SOLVERS))}.")
+    budget = self.memory_budget_per_device
+    if budget is not None and not budget > 0:
+      raise errors.InvalidArgumentError(
+          f"AutoShardingOption(memory_budget_per_device={budget!r}) must be a positive number "
+          f"of bytes, or None.")
+    limit = self.solver_time_limit_s
+    if limit is not None and not limit > 0:
+      raise errors.InvalidArgumentError(
+          f"AutoShardingOption(solver_time_limit_s={limit!r}) must be positive seconds or None.")
+    if self.partition_constraints is not None and not isinstance(self.partition_constraints, dict):
+      raise errors.InvalidArgumentError(
+          f"AutoShardingOption(partition_constraints={self.partition_constraints!r}) must be a "
+          f"dict of path pattern -> jax.sharding.PartitionSpec.")
+
+
+@_options
+class ShardParallel(Method):
+  """Operator parallelism: an ILP chooses every tensor's sharding.
+
+  Args:
+    devices: as :class:`DataParallel`.
+    num_micro_batches: gradient accumulation (as :class:`DataParallel`).
+    recompute_modules: as :class:`DataParallel`.
+    logical_mesh_shape: e.g. ``(2, 4)``; its product must be the device count. None
+      solves every factorization of the device count (1-D and 2-D) and keeps the
+      cheapest; each shape's objective is recorded in the plan.
+    auto_sharding_option: an :class:`AutoShardingOption`.
+    plan: a saved :class:`jaxdist.Plan` to apply instead of searching.
+  """
+
+  devices: Any = None
+  num_micro_batches: int | None = None
+  recompute_modules: str | None = None
+  logical_mesh_shape: tuple[int, ...] | None = None
+  auto_sharding_option: AutoShardingOption | None = None
+  plan: Any = None
+
+  def _validate(self):
+    Method._validate(self)
+    shape = self.logical_mesh_shape
+    if shape is not None and (not isinstance(shape, (tuple, list)) or not shape
+                              or not all(isinstance(n, int) and n >= 1 for n in shape)
+                              or len(shape) > 2):
+      raise errors.MeshShapeError(
+          f"ShardParallel(logical_mesh_shape={shape!r}): give a tuple of 1 or 2 positive ints "
+          f"whose product is the device count, or None to search.")
+    opt = self.auto_sharding_option
+    if opt is not None and not isinstance(opt, AutoShardingOption):
+      raise errors.InvalidArgumentError(
+          f"ShardParallel(auto_sharding_option={opt!r}) must be a jaxdist.AutoShardingOption.")
+
+  @property
+  def options(self) -> AutoShardingOption:
+    return self.auto_sharding_option or AutoShardingOption()

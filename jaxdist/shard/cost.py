@@ -1,0 +1,102 @@
+"""The α-β cost model: collectives and resharding on a LogicalMesh.
+
+For a collective over a group of ``n`` devices along mesh axes with latency ``α`` (s)
+and inverse bandwidth ``β`` (s/byte), and ``b`` the bytes of the per-device *result*:
+
+- all-reduce:      α + 2 β (n − 1)/n · b
+- all-gather:      α + β (n − 1)/n · b
+- reduce-scatter:  α + β (n − 1) · b        (the input is n · b)
+- all-to-all:      α + β (n − 1)/n · b   (each device keeps 1/n of its data, sends the rest)
+
+A collective over several axes uses the largest α and β among them and the product of
+their sizes. Compute is ``flops / num_shards / peak_flops``: a replicated computation
+pays its full flop count on every device, which is what makes splitting attractive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxdist.mesh import LogicalMesh
+from jaxdist.shard.specs import DimAxes
+
+
+DISALLOWED_S = 1e3
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+  """Collective and compute costs on one logical mesh.
+
+  Attributes:
+    mesh: the logical mesh (axis sizes, α and β per axis).
+    peak_flops: per-device compute rate used to turn flops into seconds.
+    allow_all_gather, allow_all_to_all: when False, resharding that needs that
+      collective costs ``DISALLOWED_S`` instead, so the planner avoids it if it can.
+  """
+
+  mesh: LogicalMesh
+  peak_flops: float = 1e14
+  allow_all_gather: bool = True
+  allow_all_to_all: bool = True
+
+  @property
+  def axis_sizes(self) -> dict[str, int]:
+    return dict(zip(self.mesh.axis_names, self.mesh.shape))
+
+  def _group(self, axes) -> tuple[int, float, float]:
+    axes = tuple(axes)
+    if not axes:
+      return 1, 0.0, 0.0
+    index = [self.mesh.axis_names.index(a) for a in axes]
+    n = math.prod(self.mesh.shape[i] for i in index)
+    return n, max(self.mesh.alpha[i] for i in index), max(self.mesh.beta[i] for i in index)
+
+  def all_reduce(self, axes, nbytes: float) -> float:
+    n, alpha, beta = self._group(axes)
+    return 0.0 if n == 1 else alpha + 2 * beta * (n - 1) / n * nbytes
+
+  def all_gather(self, axes, nbytes: float) -> float:
+    n, alpha, beta = self._group(axes)
+    return 0.0 if n == 1 else alpha + beta * (n - 1) / n * nbytes
+
+  def reduce_scatter(self, axes, nbytes: float) -> float:
+    n, alpha, beta = self._group(axes)
+    return 0.0 if n == 1 else alpha + beta * (n - 1) * nbytes
+
+  def all_to_all(self, axes, nbytes: float) -> float:
+    n, alpha, beta = self._group(axes)
+    return 0.0 if n == 1 else alpha + beta * (n - 1) / n * nbytes
+
+  def compute(self, flops: float, shards: int) -> float:
+    return flops / max(shards, 1) / self.peak_flops
+
+  def reshard(self, src: DimAxes, dst: DimAxes, full_bytes: float) -> float:
+    """Cost of moving a tensor of ``full_bytes`` (unsharded) from ``src`` to ``dst``.
+
+    Per mesh axis: kept on the same dim, free; newly split, a local slice, free;
+    split in ``src`` only, an all-gather; moved to another dim, an all-to-all. Each
+    collective is charged on the per-device bytes it produces.
+    """
+    if src == dst:
+      return 0.0
+    sizes = self.axis_sizes
+    where_src = {a: d for d, axes in enumerate(src) for a in axes}
+    where_dst = {a: d for d, axes in enumerate(dst) for a in axes}
+    dst_shards = math.prod(sizes[a] for a in where_dst)
+    per_device = full_bytes / dst_shards
+    cost = 0.0
+    for axis, d in where_src.items():
+      if where_dst.get(axis) == d:
+        continue
+      if axis in where_dst:
+        cost += self.all_to_all((axis,), per_device) if self.allow_all_to_all else DISALLOWED_S
+      else:
+        cost += self.all_gather((axis,), per_device) if self.allow_all_gather else DISALLOWED_S
+    # Replicated -> split needs no communication, but a dim kept on different axis
+    # orders is a full reshuffle: charge it as an all-to-all over those axes.
+    for d, axes in enumerate(dst):
+      if src[d] and axes and set(src[d]) == set(axes) and src[d] != axes:
+        cost += self.all_to_all(axes, per_device)
+    return cost

@@ -1,0 +1,236 @@
+"""ShardParallel planning: jaxpr → StrategyGraph → Solution → Layout, per mesh shape.
+
+The memory model of the budget: a tensor occupies ``bytes / shards`` on each device
+from the equation that defines it to its last use; inputs are live throughout (donated
+ones share their buffer with the output). The peak is checked at the equations where
+the unsharded live total is largest (``MEMORY_CHECK_POINTS`` of them), which keeps the
+ILP small; the estimate is the planner's, the compiled figure is XLA's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import jax.extend.core as jex
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from jaxdist import errors
+from jaxdist import jaxpr_util
+from jaxdist import methods as m
+from jaxdist.layouts import Layout, check_batch_divisible
+from jaxdist.mesh import LogicalMesh
+from jaxdist.shard.cost import CostModel
+from jaxdist.shard.graph import StrategyGraph, build_graph
+from jaxdist.shard.solver import MemoryConstraint, Solution, solve_ilp
+from jaxdist.shard.specs import (DimAxes, divides, enumerate_specs, from_partition_spec,
+                                 num_shards, to_partition_spec)
+from jaxdist.shard.strategies import nbytes
+from jaxdist.trace import BATCH, OPTIMIZER, PARAM, TracedStep
+
+MEMORY_CHECK_POINTS = 8
+# Primitives whose bodies are evaluated inline when planning (after differentiation a
+# custom_jvp/custom_vjp call is just its primal function).
+PLAN_INLINE = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshPlan:
+  """The plan for one logical mesh shape."""
+
+  lmesh: LogicalMesh
+  graph: StrategyGraph
+  solution: Solution
+  input_specs: tuple[DimAxes, ...]
+
+
+def candidate_shapes(n: int) -> list[tuple[int, ...]]:
+  """(n,) and every (a, b) with a · b = n, a, b > 1."""
+  return [(n,)] + [(a, n // a) for a in range(2, n) if n % a == 0 and n // a > 1]
+
+
+def mesh_for(shape: tuple[int, ...], base: LogicalMesh) -> LogicalMesh:
+  """A logical mesh of ``shape`` over ``base``'s devices, with its α/β where they fit."""
+  if shape == base.shape:
+    return base
+  alpha = base.alpha if len(base.shape) == len(shape) else max(base.alpha)
+  beta = base.beta if len(base.shape) == len(shape) else max(base.beta)
+  return LogicalMesh(shape, alpha=alpha, beta=beta, devices=base.devices)
+
+
+def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: LogicalMesh):
+  """Searches the mesh shapes; returns (step on the inlined jaxpr, Layout, objective, per-shape objectives)."""
+  opt = method.options
+  check_batch_divisible(step, 1, "1")
+  shapes = [tuple(method.logical_mesh_shape)] if method.logical_mesh_shape else \
+      candidate_shapes(base.num_devices)
+  for shape in shapes:
+    if math.prod(shape) != base.num_devices:
+      raise errors.MeshShapeError(
+          f"ShardParallel(logical_mesh_shape={shape}) multiplies to {math.prod(shape)}, but "
+          f"there are {base.num_devices} devices; use a shape whose product is "
+          f"{base.num_devices}.")
+  inlined = jaxpr_util.inline_calls(step.closed_jaxpr, PLAN_INLINE)
+  step = dataclasses.replace(step, closed_jaxpr=inlined)
+  plans, objectives, infeasible = [], {}, []
+  for shape in shapes:
+    lmesh = mesh_for(shape, base)
+    try:
+      plan = _plan_one(step, lmesh, opt)
+    except errors.InfeasiblePlanError as e:
+      infeasible.append(e)
+      continue
+    plans.append(plan)
+    objectives["x".join(map(str, shape))] = plan.solution.objective
+  if not plans:
+    raise infeasible[0]
+  best = min(plans, key=lambda p: p.solution.objective)
+  return step, layout_of(step, best), best.solution.objective, objectives
+
+
+def _input_choices(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption):
+  sizes = dict(zip(lmesh.axis_names, lmesh.shape))
+  names = lmesh.axis_names
+  choices = {}
+  constraints = opt.partition_constraints or {}
+  for k, leaf in enumerate(step.inputs):
+    specs = enumerate_specs(leaf.shape, sizes)
+    pinned = [pattern for pattern in constraints if path_matches(pattern, leaf.path)]
+    if pinned:
+      pspec = constraints[pinned[0]]
+      spec = _validated_constraint(pinned[0], pspec, leaf, lmesh)
+      choices[k] = [spec]
+      continue
+    if leaf.role == BATCH:
+      if opt.force_data_parallel:
+        specs = [s for s in specs if s and set(s[0]) == {a for a in names if sizes[a] > 1}]
+      elif opt.force_batch_dim_to_mesh_dim is not None:
+        axis = names[opt.force_batch_dim_to_mesh_dim]
+        specs = [s for s in specs if s and axis in s[0]] or specs
+    elif leaf.role in (PARAM, OPTIMIZER):
+      if opt.force_data_parallel:
+        specs = [s for s in specs if not any(s)]
+      else:
+        must_shard = ((not opt.allow_replicated_parameters and leaf.role == PARAM)
+                      or (opt.force_zero_stage_3)
+                      or (opt.prefer_reduce_scatter and leaf.role == OPTIMIZER))
+        if must_shard and len(specs) > 1:
+          specs = [s for s in specs if any(s)]
+    choices[k] = specs
+  return choices
+
+
+def path_matches(pattern: str, path: str) -> bool:
+  """Glob match of a leaf path: ``*`` and ``?`` are wildcards, brackets are literal
+  (leaf paths are full of them: ``state.params['Dense_0']['kernel']``)."""
+  regex = "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern)
+  return re.fullmatch(regex, path) is not None
+
+
+def _validated_constraint(pattern, pspec, leaf, lmesh) -> DimAxes:
+  if not isinstance(pspec, PartitionSpec) or len(pspec) > len(leaf.shape):
+    raise errors.InvalidArgumentError(
+        f"partition_constraints[{pattern!r}] = {pspec!r} for {leaf.path} {leaf.shape}: give a "
+        f"PartitionSpec with at most {len(leaf.shape)} entries.")
+  spec = from_partition_spec(pspec, len(leaf.shape))
+  sizes = dict(zip(lmesh.axis_names, lmesh.shape))
+  unknown = [a for axes in spec for a in axes if a not in sizes]
+  if unknown:
+    raise errors.InvalidArgumentError(
+        f"partition_constraints[{pattern!r}] = {pspec!r} names mesh axis {unknown[0]!r}; the "
+        f"logical mesh {lmesh.shape} has axes {lmesh.axis_names}.")
+  if not divides(leaf.shape, spec, sizes):
+    raise errors.InvalidArgumentError(
+        f"partition_constraints[{pattern!r}] = {pspec!r} does not divide {leaf.path} of shape "
+        f"{leaf.shape} on mesh {dict(sizes)}.")
+  return spec
+
+
+def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption) -> MeshPlan:
+  jaxpr = step.closed_jaxpr.jaxpr
+  cost_model = CostModel(lmesh, allow_all_gather=opt.allow_all_gather,
+                         allow_all_to_all=opt.allow_all_to_all)
+  tied = {o: i for o, i in enumerate(step.output_source) if i is not None}
+  graph = build_graph(jaxpr, cost_model, _input_choices(step, lmesh, opt), tied)
+  memory = None
+  if opt.memory_budget_per_device is not None:
+    memory = memory_constraint(jaxpr, graph, step, lmesh)
+  solution = solve_ilp(graph, memory, opt.memory_budget_per_device, opt.solver_time_limit_s)
+  input_specs = tuple(graph.spec_of(v, solution.choice) for v in jaxpr.invars)
+  return MeshPlan(lmesh, graph, solution, input_specs)
+
+
+def memory_constraint(jaxpr, graph: StrategyGraph, step: TracedStep,
+                      lmesh: LogicalMesh) -> MemoryConstraint:
+  """Per-device bytes at the heaviest liveness points, linear in the choices."""
+  sizes = dict(zip(lmesh.axis_names, lmesh.shape))
+  n_eqns = len(jaxpr.eqns)
+  last_use = {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:
+      if not isinstance(v, jex.Literal):
+        last_use[v] = i
+  for v in jaxpr.outvars:
+    if not isinstance(v, jex.Literal):
+      last_use[v] = n_eqns
+  donated_outputs = {jaxpr.outvars[o] for o, i in enumerate(step.output_source) if i is not None}
+  intervals = []  # (var, start, end)
+  for v in jaxpr.invars:
+    intervals.append((v, -1, n_eqns))
+  for i, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.outvars:
+      if isinstance(v, jex.DropVar) or v in donated_outputs:
+        continue  # a donated output reuses its input's buffer
+      intervals.append((v, i, last_use.get(v, i)))
+  live = np.zeros(n_eqns + 1)
+  for v, start, end in intervals:
+    live[max(start, 0):end + 1] += nbytes(v)
+  points = sorted(np.argsort(-live)[:MEMORY_CHECK_POINTS].tolist())
+  per_group, constant = [], []
+  for t in points:
+    groups: dict[int, np.ndarray] = {}
+    fixed = 0.0
+    for v, start, end in intervals:
+      if not start <= t <= end or v not in graph.producer:
+        continue
+      node_id, pos = graph.producer[v]
+      node = graph.nodes[node_id]
+      vec = np.array([nbytes(v) / num_shards(s.out_specs[pos], sizes) for s in node.strategies])
+      if graph.group_sizes[node.group] == 1:
+        fixed += float(vec[0])
+      else:
+        groups[node.group] = groups.get(node.group, 0) + vec
+    per_group.append(groups)
+    constant.append(fixed)
+  return MemoryConstraint(tuple(per_group), tuple(constant))
+
+
+def layout_of(step: TracedStep, plan: MeshPlan) -> Layout:
+  """Turns a solved plan into the Layout the compiler applies."""
+  jaxpr = step.closed_jaxpr.jaxpr
+  graph, choice = plan.graph, plan.solution.choice
+  in_specs = tuple(to_partition_spec(s) for s in plan.input_specs)
+  out_specs = []
+  for o, v in enumerate(jaxpr.outvars):
+    src = step.output_source[o]
+    if src is not None:
+      out_specs.append(in_specs[src])
+    elif isinstance(v, jex.Literal) or v not in graph.producer:
+      out_specs.append(PartitionSpec())
+    else:
+      out_specs.append(to_partition_spec(graph.spec_of(v, choice)))
+  # Pin the output of every equation the plan decided (as Alpa does): left to itself,
+  # XLA's propagation may place followers differently (an optimizer update computed
+  # replicated and then gathered, say). Equations with no rule are left to XLA.
+  eqn_index = {id(e): i for i, e in enumerate(jaxpr.eqns)}
+  constraints = {}
+  for node in graph.nodes:
+    if node.eqn is None or graph.group_sizes[node.group] == 1 or "no rule" in node.strategies[0].name:
+      continue
+    strategy = node.strategies[choice[node.group]]
+    constraints[eqn_index[id(node.eqn)]] = tuple(to_partition_spec(s) for s in strategy.out_specs)
+  return Layout(plan.lmesh, in_specs, tuple(out_specs), (None,) * len(out_specs),
+                num_micro_batches=1, batch_axes=plan.lmesh.axis_names,
+                eqn_constraints=constraints)

@@ -1,0 +1,465 @@
+"""Sharding strategies per primitive.
+
+A rule returns either :class:`Follow` (the equation takes the strategy index of one
+operand's producer, mapping that operand's spec to its outputs; its variables are
+shared with the producer, which keeps the ILP small) or a list of :class:`Strategy`
+(an independent choice). The rules follow Alpa's (see shared/REFERENCE.md):
+
+- elementwise ops, convert, select: follow the largest operand;
+- broadcast_in_dim, reshape, transpose, squeeze, expand_dims: follow, mapping dims;
+- slice, pad, concatenate, rev, dynamic_slice/update_slice, cumulative ops, sort: follow,
+  with the touched dimension unsplit;
+- reductions: follow, dropping reduced dims; a split reduced dim costs an all-reduce;
+- dot_general: each mesh axis splits one batch dim, the lhs free dim, the rhs free dim or
+  the contraction (a partial sum, reduced by an all-reduce over that axis), or nothing;
+- conv_general_dilated: batch, output-feature or input-feature (all-reduce) splits;
+- dots and convs are "heavy": when some strategy splits them over every mesh axis,
+  the strategies that leave an axis computing redundantly are dropped (Alpa's
+  ``allow_recompute_heavy_op=False``): replicating a matmul wastes the devices it runs
+  on, a cost the α-β model would otherwise miss for small tensors;
+- gather: indices split on a batch dim, operand replicated; scatter-add: updates split
+  on a batch dim, the partial sums all-reduced;
+- iota: any spec at no cost;
+- while, cond, scan and RNG: replicated;
+- anything else: replicated, with one warning naming the primitive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Callable
+
+from jaxdist.shard.cost import CostModel
+from jaxdist.shard.specs import DimAxes, divides, enumerate_specs, replicated
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+  """One way to run an equation (or hold an input).
+
+  Attributes:
+    name: readable label, e.g. ``"dot b=[] l=[x] r=[] k=[]"``.
+    out_specs: the spec of each output.
+    in_specs: the spec each operand must have (None: no requirement).
+    cost: compute plus communication of the equation itself, in seconds.
+  """
+
+  name: str
+  out_specs: tuple[DimAxes, ...]
+  in_specs: tuple[DimAxes | None, ...]
+  cost: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Follow:
+  """Take the strategy of operand ``operand``'s producer.
+
+  ``mapper(operand_spec) -> Strategy`` builds this equation's strategy from the spec
+  its followed operand has under that producer strategy.
+  """
+
+  operand: int
+  mapper: Callable[[DimAxes], Strategy]
+
+
+ELEMENTWISE = frozenset("""
+abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp complex conj
+convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor
+ge gt igamma imag integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg
+nextafter not or pow real reduce_precision rem round rsqrt select_n sign sin sinh sqrt square
+sub tan tanh xor shift_left shift_right_logical shift_right_arithmetic population_count
+stop_gradient optimization_barrier
+""".split())
+
+REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or "
+                       "reduce_xor argmax argmin".split())
+CUMULATIVE = frozenset("cumsum cumprod cummax cummin cumlogsumexp".split())
+REPLICATE_QUIETLY = frozenset("while cond scan random_bits random_seed random_wrap random_unwrap "
+                              "threefry2x32 random_split random_fold_in rng_bit_generator "
+                              "rng_uniform".split())
+
+
+def _shape(v):
+  return tuple(getattr(v.aval, "shape", ()))
+
+
+def _nbytes(v) -> float:
+  aval = v.aval
+  dtype = getattr(aval, "dtype", None)
+  itemsize = getattr(dtype, "itemsize", 4) or 4
+  return float(math.prod(_shape(v)) * itemsize)
+
+
+def _unsplit(spec: DimAxes, dims) -> DimAxes:
+  return tuple(() if d in dims else a for d, a in enumerate(spec))
+
+
+def _replicated_strategy(eqn, name: str, cost: float = 0.0) -> Strategy:
+  return Strategy(name, tuple(replicated(len(_shape(v))) for v in eqn.outvars),
+                  tuple(replicated(len(_shape(v))) for v in eqn.invars), cost)
+
+
+def rule_for(eqn, cost_model: CostModel, produced: Callable) -> Follow | list[Strategy] | None:
+  """The rule for ``eqn``; None means: no rule (replicate and warn).
+
+  ``produced(var)`` tells whether an operand comes from another node (not a literal):
+  only those can be followed.
+  """
+  name = eqn.primitive.name
+  sizes = cost_model.axis_sizes
+  if not any(produced(v) for v in eqn.invars):
+    # Built from literals only (a broadcast constant, an iota): any layout, no cost.
+    out = eqn.outvars[0]
+    if len(eqn.outvars) == 1 and name in ELEMENTWISE | {"broadcast_in_dim", "iota",
+                                                         "convert_element_type", "reshape"}:
+      return [Strategy(f"{name} (constant)", (s,), (None,) * len(eqn.invars))
+              for s in enumerate_specs(_shape(out), sizes)]
+    return [_replicated_strategy(eqn, f"{name} (constant)")]
+  if name in ELEMENTWISE or _is_elementwise_call(eqn):
+    return _elementwise(eqn, produced)
+  if name == "dot_general":
+    return _dot_general(eqn, cost_model)
+  if name in REDUCTIONS:
+    return _reduction(eqn, cost_model)
+  if name == "broadcast_in_dim":
+    return _broadcast(eqn, sizes)
+  if name == "transpose":
+    perm = eqn.params["permutation"]
+    return Follow(0, lambda s: Strategy("transpose", (tuple(s[p] for p in perm),), (s,)))
+  if name in ("reshape", "squeeze", "expand_dims"):
+    return _reshape(eqn, sizes)
+  if name in ("slice", "pad", "rev", "dynamic_slice", "dynamic_update_slice", "concatenate",
+              "sort") or name in CUMULATIVE:
+    return _touching(eqn, sizes)
+  if name == "iota":
+    shape = _shape(eqn.outvars[0])
+    return [Strategy("iota", (s,), (), 0.0) for s in enumerate_specs(shape, sizes)]
+  if name == "gather":
+    return _gather(eqn, sizes)
+  if name in ("scatter-add", "scatter_add"):
+    return _scatter_add(eqn, cost_model)
+  if name == "conv_general_dilated":
+    return _conv(eqn, cost_model)
+  if name in REPLICATE_QUIETLY:
+    return [_replicated_strategy(eqn, name)]
+  return None
+
+
+def _is_elementwise_call(eqn) -> bool:
+  """custom_jvp / custom_vjp wrappers of elementwise functions (relu, gelu, ...)."""
+  if eqn.primitive.name not in ("custom_jvp_call", "custom_vjp_call"):
+    return False
+  shapes = {_shape(v) for v in list(eqn.invars) + list(eqn.outvars) if _shape(v)}
+  body = eqn.params.get("call_jaxpr")
+  inner = getattr(body, "jaxpr", body)
+  return (len(shapes) == 1 and inner is not None
+          and all(e.primitive.name in ELEMENTWISE | {"broadcast_in_dim"} for e in inner.eqns))
+
+
+def _elementwise(eqn, produced) -> Follow | None:
+  shape = _shape(eqn.outvars[0])
+  candidates = [i for i, v in enumerate(eqn.invars) if _shape(v) == shape and produced(v)]
+  if not candidates:
+    return None
+
+  def operand_spec(spec, v):
+    # Operands of the output's rank may have size-1 dims that broadcast (jax 0.10's
+    # binary ops accept them): those dims stay unsplit, the others keep the split.
+    vs = _shape(v)
+    if len(vs) != len(shape):
+      return replicated(len(vs))
+    return tuple(a if vs[d] == shape[d] else () for d, a in enumerate(spec))
+
+  def mapper(spec):
+    ins = tuple(operand_spec(spec, v) for v in eqn.invars)
+    outs = tuple(operand_spec(spec, v) for v in eqn.outvars)
+    return Strategy(eqn.primitive.name, outs, ins)
+
+  # Follow a full-shape operand (all of them have the most elements; take the first).
+  return Follow(candidates[0], mapper)
+
+
+def _reduction(eqn, cost_model: CostModel) -> Follow:
+  axes = tuple(eqn.params.get("axes", ()))
+  if eqn.primitive.name in ("argmax", "argmin"):
+    axes = tuple(eqn.params["axes"])
+  out = eqn.outvars[0]
+
+  def mapper(spec):
+    reduced = tuple(a for d in axes for a in spec[d])
+    out_spec = tuple(s for d, s in enumerate(spec) if d not in axes)
+    shards = math.prod(cost_model.axis_sizes[a] for s in out_spec for a in s)
+    cost = cost_model.all_reduce(reduced, _nbytes(out) / shards) if reduced else 0.0
+    return Strategy(eqn.primitive.name, (out_spec,), (spec,), cost)
+
+  return Follow(0, mapper)
+
+
+def _broadcast(eqn, sizes) -> Follow:
+  operand = eqn.invars[0]
+  in_shape, out_shape = _shape(operand), _shape(eqn.outvars[0])
+  dims = eqn.params["broadcast_dimensions"]
+
+  def mapper(spec):
+    out = [()] * len(out_shape)
+    kept = list(spec)
+    for d, od in enumerate(dims):
+      if in_shape[d] == out_shape[od]:
+        out[od] = spec[d]
+      else:
+        kept[d] = ()
+    return Strategy("broadcast_in_dim", (tuple(out),), (tuple(kept),) + (None,) * (len(eqn.invars) - 1))
+
+  if not in_shape:
+    # A scalar broadcast: any output layout is a local fill.
+    return [Strategy("broadcast_in_dim (scalar)", (s,), (replicated(0),) + (None,) * (len(eqn.invars) - 1))
+            for s in enumerate_specs(out_shape, sizes)]
+  return Follow(0, mapper)
+
+
+def _dim_groups(a: tuple[int, ...], b: tuple[int, ...]):
+  """Pairs (dims of a, dims of b) whose sizes multiply to the same value, in order."""
+  groups, i, j = [], 0, 0
+  while i < len(a) or j < len(b):
+    ga, gb = [], []
+    pa = pb = 1
+    if i < len(a):
+      ga.append(i); pa *= a[i]; i += 1
+    if j < len(b):
+      gb.append(j); pb *= b[j]; j += 1
+    while pa != pb:
+      if pa < pb and i < len(a):
+        ga.append(i); pa *= a[i]; i += 1
+      elif pb < pa and j < len(b):
+        gb.append(j); pb *= b[j]; j += 1
+      else:
+        return None
+    # Trailing size-1 dims join the group that precedes them.
+    while i < len(a) and a[i] == 1 and (j >= len(b) or b[j] != 1):
+      ga.append(i); i += 1
+    while j < len(b) and b[j] == 1 and (i >= len(a) or a[i] != 1):
+      gb.append(j); j += 1
+    groups.append((ga, gb))
+  return groups
+
+
+def _reshape(eqn, sizes) -> Follow | None:
+  in_shape, out_shape = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+  groups = _dim_groups(in_shape, out_shape)
+  if groups is None:
+    return None
+
+  def mapper(spec):
+    out = [()] * len(out_shape)
+    kept = list(spec)
+    for ga, gb in groups:
+      # Only the group's leading dims carry a split across the reshape.
+      split = [d for d in ga if spec[d]]
+      if not split:
+        continue
+      first_in = next((d for d in ga if in_shape[d] > 1), ga[0])
+      first_out = next((d for d in gb if out_shape[d] > 1), gb[0] if gb else None)
+      n = math.prod(sizes[a] for a in spec[first_in]) if spec[first_in] else 1
+      if (split == [first_in] and first_out is not None and out_shape[first_out] % n == 0
+          and (len(ga) == 1 or len(gb) == 1 or in_shape[first_in] % out_shape[first_out] == 0
+               or out_shape[first_out] % in_shape[first_in] == 0)):
+        out[first_out] = spec[first_in]
+      else:
+        for d in ga:
+          kept[d] = ()
+    return Strategy(eqn.primitive.name, (tuple(out),), (tuple(kept),) + (None,) * (len(eqn.invars) - 1))
+
+  return Follow(0, mapper)
+
+
+def _touching(eqn, sizes) -> Follow:
+  """Ops that need whole extents along some dims: those dims are kept unsplit."""
+  name = eqn.primitive.name
+  in_shape, out_shape = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+  if name in ("sort",) or name in CUMULATIVE:
+    touched = {eqn.params.get("dimension", eqn.params.get("axis", len(in_shape) - 1))}
+  elif name == "concatenate":
+    touched = {eqn.params["dimension"]}
+  elif name == "rev":
+    touched = set(eqn.params["dimensions"])
+  else:
+    touched = {d for d in range(len(in_shape)) if d >= len(out_shape) or in_shape[d] != out_shape[d]}
+    if name in ("dynamic_slice", "dynamic_update_slice"):
+      touched |= {d for d in range(len(in_shape))
+                  if name == "dynamic_update_slice" and _shape(eqn.invars[1])[d] != in_shape[d]}
+
+  def mapper(spec):
+    spec = _unsplit(spec, touched)
+    ins = tuple(spec if len(_shape(v)) == len(spec) and _shape(v) == in_shape
+                else (_unsplit(spec, touched) if len(_shape(v)) == len(spec) and name == "concatenate"
+                      else None)
+                for v in eqn.invars)
+    ins = (spec,) + ins[1:]
+    outs = tuple(spec if len(_shape(v)) == len(spec) else replicated(len(_shape(v)))
+                 for v in eqn.outvars)
+    return Strategy(name, outs, ins)
+
+  return Follow(0, mapper)
+
+
+def _dot_general(eqn, cost_model: CostModel) -> list[Strategy]:
+  lhs, rhs = eqn.invars
+  out = eqn.outvars[0]
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  ls, rs = _shape(lhs), _shape(rhs)
+  lfree = [d for d in range(len(ls)) if d not in lc and d not in lb]
+  rfree = [d for d in range(len(rs)) if d not in rc and d not in rb]
+  sizes = cost_model.axis_sizes
+  # Roles a mesh axis can take: a batch pair, the largest lhs/rhs free dim, the largest
+  # contraction pair.
+  roles = [("b", i) for i in range(len(lb))]
+  if lfree:
+    roles.append(("l", max(lfree, key=lambda d: ls[d])))
+  if rfree:
+    roles.append(("r", max(rfree, key=lambda d: rs[d])))
+  if lc:
+    roles.append(("k", max(range(len(lc)), key=lambda i: ls[lc[i]])))
+  axes = [a for a, n in sizes.items() if n > 1]
+  flops = 2.0 * math.prod(ls) * math.prod(rs[d] for d in rfree)
+  out_rank = len(_shape(out))
+  strategies = []
+  for choice in itertools.product([None] + roles, repeat=len(axes)):
+    l_spec = [[] for _ in ls]
+    r_spec = [[] for _ in rs]
+    o_spec = [[] for _ in range(out_rank)]
+    partial = []
+    for axis, role in zip(axes, choice):
+      if role is None:
+        continue
+      kind, i = role
+      if kind == "b":
+        l_spec[lb[i]].append(axis); r_spec[rb[i]].append(axis); o_spec[i].append(axis)
+      elif kind == "l":
+        l_spec[i].append(axis); o_spec[len(lb) + lfree.index(i)].append(axis)
+      elif kind == "r":
+        r_spec[i].append(axis); o_spec[len(lb) + len(lfree) + rfree.index(i)].append(axis)
+      else:
+        l_spec[lc[i]].append(axis); r_spec[rc[i]].append(axis); partial.append(axis)
+    l_spec = tuple(map(tuple, l_spec)); r_spec = tuple(map(tuple, r_spec))
+    o_spec = tuple(map(tuple, o_spec))
+    if not (divides(ls, l_spec, sizes) and divides(rs, r_spec, sizes)):
+      continue
+    shards = math.prod(sizes[a] for a, r in zip(axes, choice) if r is not None)
+    out_shards = math.prod(sizes[a] for s in o_spec for a in s)
+    cost = cost_model.compute(flops, shards)
+    if partial:
+      cost += cost_model.all_reduce(partial, _nbytes(out) / out_shards)
+    label = " ".join(f"{a}:{r[0]}" for a, r in zip(axes, choice) if r) or "replicated"
+    strategies.append((all(choice), Strategy(f"dot {label}", (o_spec,), (l_spec, r_spec), cost)))
+  return _no_heavy_recompute(strategies)
+
+
+def _no_heavy_recompute(tagged: list[tuple[bool, Strategy]]) -> list[Strategy]:
+  """Keeps only the strategies that use every mesh axis, if there are any."""
+  full = [s for uses_all, s in tagged if uses_all]
+  return full or [s for _, s in tagged]
+
+
+def _gather(eqn, sizes) -> list[Strategy]:
+  operand, indices = eqn.invars[0], eqn.invars[1]
+  out_shape = _shape(eqn.outvars[0])
+  dnums = eqn.params["dimension_numbers"]
+  offset = set(dnums.offset_dims)
+  batch_out = [d for d in range(len(out_shape)) if d not in offset]
+  idx_shape = _shape(indices)
+  idx_batch = [d for d in range(len(idx_shape)) if d != len(idx_shape) - 1] \
+      if len(idx_shape) else []
+  strategies = [Strategy("gather replicated", (replicated(len(out_shape)),),
+                         (replicated(len(_shape(operand))), replicated(len(idx_shape))))]
+  for axis, n in sizes.items():
+    if n == 1:
+      continue
+    for bi, (od, idd) in enumerate(zip(batch_out, idx_batch)):
+      if idx_shape[idd] % n or out_shape[od] % n or idx_shape[idd] != out_shape[od]:
+        continue
+      o = list(replicated(len(out_shape))); o[od] = (axis,)
+      i = list(replicated(len(idx_shape))); i[idd] = (axis,)
+      strategies.append(Strategy(f"gather {axis}:b{bi}", (tuple(o),),
+                                 (replicated(len(_shape(operand))), tuple(i))
+                                 + (None,) * (len(eqn.invars) - 2)))
+  return [s if len(s.in_specs) == len(eqn.invars) else
+          dataclasses.replace(s, in_specs=s.in_specs + (None,) * (len(eqn.invars) - len(s.in_specs)))
+          for s in strategies]
+
+
+def _scatter_add(eqn, cost_model: CostModel) -> list[Strategy]:
+  operand, indices, updates = eqn.invars[:3]
+  out = eqn.outvars[0]
+  dnums = eqn.params["dimension_numbers"]
+  window = set(dnums.update_window_dims)
+  us, ish = _shape(updates), _shape(indices)
+  u_batch = [d for d in range(len(us)) if d not in window]
+  i_batch = [d for d in range(len(ish)) if d != len(ish) - 1] if ish else []
+  rep = lambda v: replicated(len(_shape(v)))
+  strategies = [Strategy("scatter-add replicated", (rep(out),),
+                         (rep(operand), rep(indices), rep(updates)) + (None,) * (len(eqn.invars) - 3))]
+  for axis, n in cost_model.axis_sizes.items():
+    if n == 1:
+      continue
+    for ud, idd in zip(u_batch, i_batch):
+      if us[ud] % n or ish[idd] % n:
+        continue
+      u = list(rep(updates)); u[ud] = (axis,)
+      i = list(rep(indices)); i[idd] = (axis,)
+      cost = cost_model.all_reduce((axis,), _nbytes(out))
+      strategies.append(Strategy(f"scatter-add {axis}:b", (rep(out),),
+                                 (rep(operand), tuple(i), tuple(u))
+                                 + (None,) * (len(eqn.invars) - 3), cost))
+  return strategies
+
+
+def _conv(eqn, cost_model: CostModel) -> list[Strategy]:
+  lhs, rhs = eqn.invars[:2]
+  out = eqn.outvars[0]
+  dn = eqn.params["dimension_numbers"]
+  lspec, rspec, ospec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
+  ls, rs = _shape(lhs), _shape(rhs)
+  sizes = cost_model.axis_sizes
+  flops = 2.0 * math.prod(_shape(out)) * math.prod(rs) / max(rs[rspec[0]], 1)
+  if eqn.params.get("feature_group_count", 1) != 1 or eqn.params.get("batch_group_count", 1) != 1:
+    return [_replicated_strategy(eqn, "conv grouped", cost_model.compute(flops, 1))]
+  axes = [a for a, n in sizes.items() if n > 1]
+  strategies = []
+  for choice in itertools.product([None, "batch", "out", "in"], repeat=len(axes)):
+    l = [[] for _ in ls]; r = [[] for _ in rs]; o = [[] for _ in _shape(out)]
+    partial = []
+    for axis, role in zip(axes, choice):
+      if role == "batch":
+        l[lspec[0]].append(axis); o[ospec[0]].append(axis)
+      elif role == "out":
+        r[rspec[0]].append(axis); o[ospec[1]].append(axis)
+      elif role == "in":
+        l[lspec[1]].append(axis); r[rspec[1]].append(axis); partial.append(axis)
+    l, r, o = tuple(map(tuple, l)), tuple(map(tuple, r)), tuple(map(tuple, o))
+    if not (divides(ls, l, sizes) and divides(rs, r, sizes)):
+      continue
+    shards = math.prod(sizes[a] for a, c in zip(axes, choice) if c)
+    out_shards = math.prod(sizes[a] for s in o for a in s)
+    cost = cost_model.compute(flops, shards)
+    if partial:
+      cost += cost_model.all_reduce(partial, _nbytes(out) / out_shards)
+    strategies.append((all(choice), Strategy(f"conv {choice}", (o,), (l, r), cost)))
+  return _no_heavy_recompute(strategies)
+
+
+def input_strategies(shape: tuple[int, ...], sizes: dict[str, int], nbytes: float,
+                     replicated_penalty: float) -> list[Strategy]:
+  """An input leaf: any divisible spec; replicated carries a small tie-breaking penalty."""
+  out = []
+  for spec in enumerate_specs(shape, sizes):
+    penalty = replicated_penalty if not any(spec) and nbytes > 0 else 0.0
+    out.append(Strategy("input", (spec,), (), penalty))
+  return out
+
+
+def nbytes(v) -> float:
+  return _nbytes(v)
+
+
