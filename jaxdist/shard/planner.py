@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec
 from jaxdist import errors
 from jaxdist import jaxpr_util
 from jaxdist import methods as m
-from jaxdist.layouts import Layout, check_batch_divisible
+from jaxdist.layouts import Layout
 from jaxdist.mesh import LogicalMesh
 from jaxdist.shard.cost import CostModel
 from jaxdist.shard.graph import StrategyGraph, build_graph
@@ -32,8 +32,10 @@ from jaxdist.trace import BATCH, OPTIMIZER, PARAM, TracedStep
 
 MEMORY_CHECK_POINTS = 8
 # Primitives whose bodies are evaluated inline when planning (after differentiation a
-# custom_jvp/custom_vjp call is just its primal function).
-PLAN_INLINE = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call")
+# custom_jvp/custom_vjp call is just its primal function; the gradient marker is an
+# identity).
+PLAN_INLINE = jaxpr_util.CALLS + ("custom_jvp_call", "custom_vjp_call",
+                                  jaxpr_util.IDENTITY_MARKER)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +65,11 @@ def mesh_for(shape: tuple[int, ...], base: LogicalMesh) -> LogicalMesh:
 def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: LogicalMesh):
   """Searches the mesh shapes; returns (step on the inlined jaxpr, Layout, objective, per-shape objectives)."""
   opt = method.options
-  check_batch_divisible(step, 1, "1")
+  if (method.num_micro_batches or 1) > 1:
+    raise errors.InvalidArgumentError(
+        f"ShardParallel(num_micro_batches={method.num_micro_batches}): gradient accumulation is "
+        f"not implemented for ShardParallel yet; use DataParallel / Zero2Parallel / "
+        f"Zero3Parallel with num_micro_batches, or ShardParallel with num_micro_batches=None.")
   shapes = [tuple(method.logical_mesh_shape)] if method.logical_mesh_shape else \
       candidate_shapes(base.num_devices)
   for shape in shapes:
@@ -95,9 +101,11 @@ def _input_choices(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOpti
   names = lmesh.axis_names
   choices = {}
   constraints = opt.partition_constraints or {}
+  unused = set(constraints)
   for k, leaf in enumerate(step.inputs):
     specs = enumerate_specs(leaf.shape, sizes)
     pinned = [pattern for pattern in constraints if path_matches(pattern, leaf.path)]
+    unused -= set(pinned)
     if pinned:
       pspec = constraints[pinned[0]]
       spec = _validated_constraint(pinned[0], pspec, leaf, lmesh)
@@ -119,6 +127,11 @@ def _input_choices(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOpti
         if must_shard and len(specs) > 1:
           specs = [s for s in specs if any(s)]
     choices[k] = specs
+  if unused:
+    examples = ", ".join(leaf.path for leaf in step.inputs[:4])
+    raise errors.InvalidArgumentError(
+        f"partition_constraints pattern {sorted(unused)[0]!r} matches no leaf; patterns match "
+        f"whole leaf paths with * and ? as wildcards, e.g. {examples}.")
   return choices
 
 

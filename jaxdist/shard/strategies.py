@@ -7,8 +7,8 @@ shared with the producer, which keeps the ILP small) or a list of :class:`Strate
 
 - elementwise ops, convert, select: follow the largest operand;
 - broadcast_in_dim, reshape, transpose, squeeze, expand_dims: follow, mapping dims;
-- slice, pad, concatenate, rev, dynamic_slice/update_slice, cumulative ops, sort: follow,
-  with the touched dimension unsplit;
+- slice, pad, concatenate, rev, dynamic_slice/update_slice, cumulative ops, sort, fft:
+  follow, with the touched dimensions unsplit;
 - reductions: follow, dropping reduced dims; a split reduced dim costs an all-reduce;
 - dot_general: each mesh axis splits one batch dim, the lhs free dim, the rhs free dim or
   the contraction (a partial sum, reduced by an all-reduce over that axis), or nothing;
@@ -131,7 +131,7 @@ def rule_for(eqn, cost_model: CostModel, produced: Callable) -> Follow | list[St
   if name in ("reshape", "squeeze", "expand_dims"):
     return _reshape(eqn, sizes)
   if name in ("slice", "pad", "rev", "dynamic_slice", "dynamic_update_slice", "concatenate",
-              "sort") or name in CUMULATIVE:
+              "sort", "fft") or name in CUMULATIVE:
     return _touching(eqn, sizes)
   if name == "iota":
     shape = _shape(eqn.outvars[0])
@@ -160,9 +160,13 @@ def _is_elementwise_call(eqn) -> bool:
 
 def _elementwise(eqn, produced) -> Follow | None:
   shape = _shape(eqn.outvars[0])
-  candidates = [i for i, v in enumerate(eqn.invars) if _shape(v) == shape and produced(v)]
+  candidates = [i for i, v in enumerate(eqn.invars)
+                if produced(v) and len(_shape(v)) == len(shape)]
   if not candidates:
     return None
+  # Follow the produced operand with the most elements (all operands may broadcast).
+  lead = max(candidates, key=lambda i: (math.prod(_shape(eqn.invars[i])), -i))
+  lead_shape = _shape(eqn.invars[lead])
 
   def operand_spec(spec, v):
     # Operands of the output's rank may have size-1 dims that broadcast (jax 0.10's
@@ -173,12 +177,13 @@ def _elementwise(eqn, produced) -> Follow | None:
     return tuple(a if vs[d] == shape[d] else () for d, a in enumerate(spec))
 
   def mapper(spec):
+    # The split of a dim carries over only where the followed operand is full-size.
+    spec = tuple(a if lead_shape[d] == shape[d] else () for d, a in enumerate(spec))
     ins = tuple(operand_spec(spec, v) for v in eqn.invars)
     outs = tuple(operand_spec(spec, v) for v in eqn.outvars)
     return Strategy(eqn.primitive.name, outs, ins)
 
-  # Follow a full-shape operand (all of them have the most elements; take the first).
-  return Follow(candidates[0], mapper)
+  return Follow(lead, mapper)
 
 
 def _reduction(eqn, cost_model: CostModel) -> Follow:
@@ -284,6 +289,8 @@ def _touching(eqn, sizes) -> Follow:
     touched = {eqn.params["dimension"]}
   elif name == "rev":
     touched = set(eqn.params["dimensions"])
+  elif name == "fft":
+    touched = set(range(len(in_shape) - len(eqn.params["fft_lengths"]), len(in_shape)))
   else:
     touched = {d for d in range(len(in_shape)) if d >= len(out_shape) or in_shape[d] != out_shape[d]}
     if name in ("dynamic_slice", "dynamic_update_slice"):

@@ -1,0 +1,210 @@
+"""ShardParallel: the ILP's optimum, Alpa's MLP cases, control flow, options, errors.
+
+Numerics: SGD + momentum against the serial step, rtol 1e-5 / atol 1e-6 (only the
+order of cross-device sums differs).
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxdist as jd
+from jaxdist import errors, models
+from jaxdist.shard.graph import Node, StrategyGraph
+from jaxdist.shard.solver import MemoryConstraint, solve_brute_force, solve_ilp
+from jaxdist.shard.strategies import Strategy
+from helpers import assert_trees_close
+
+
+def _random_graph(rng, num_groups, max_choices, num_edges):
+  sizes = [int(rng.integers(1, max_choices + 1)) for _ in range(num_groups)]
+  nodes = [Node(f"g{g}", g, [Strategy("s", ((),), ())] * n) for g, n in enumerate(sizes)]
+  edges = {}
+  for _ in range(num_edges):
+    g, h = sorted(rng.choice(num_groups, 2, replace=False))
+    edges[(int(g), int(h))] = rng.random((sizes[g], sizes[h])) * rng.integers(0, 2)
+  costs = [rng.random(n) for n in sizes]
+  return StrategyGraph(nodes, sizes, costs, edges, {}, ())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ilp_optimum_equals_brute_force(seed):
+  rng = np.random.default_rng(seed)
+  graph = _random_graph(rng, num_groups=6, max_choices=4, num_edges=8)
+  ilp, brute = solve_ilp(graph), solve_brute_force(graph)
+  assert ilp.objective == pytest.approx(brute.objective, rel=1e-6, abs=1e-9)
+
+
+def test_ilp_optimum_under_a_memory_budget_equals_brute_force():
+  rng = np.random.default_rng(7)
+  graph = _random_graph(rng, num_groups=5, max_choices=3, num_edges=6)
+  memory = MemoryConstraint(
+      tuple({g: rng.random(n) * 10 for g, n in enumerate(graph.group_sizes)} for _ in range(2)),
+      (1.0, 2.0))
+  budget = float(np.median([memory.usage(c) for c in
+                            itertools.product(*[range(n) for n in graph.group_sizes])]))
+  ilp = solve_ilp(graph, memory, budget)
+  brute = solve_brute_force(graph, memory, budget)
+  assert ilp.objective == pytest.approx(brute.objective, rel=1e-6, abs=1e-9)
+  assert memory.usage(ilp.choice) <= budget + 1e-9
+  with pytest.raises(errors.InfeasiblePlanError, match="least any plan needs"):
+    solve_ilp(graph, memory, budget=memory.least_possible() * 0.5)
+
+
+def _mlp(hidden, batch, shape, alpha=None, beta=None):
+  data = models.regression_batch(batch, hidden, out=hidden)
+  model = models.MLP(hidden=hidden, num_layers=5, out=hidden)  # 6 Dense layers, ReLU
+  make = lambda: models.create_state(model, data["x"], tx=optax.adam(1e-3))
+  mesh = jd.LogicalMesh(shape, devices=jax.devices()[:4], alpha=alpha, beta=beta)
+  step = jd.parallelize(models.regression_step(),
+                        method=jd.ShardParallel(devices=mesh, logical_mesh_shape=shape))
+  return step, make, data
+
+
+def _kernel_specs(exe):
+  return [exe.plan.spec_of(f"state.params['params']['Dense_{i}']['kernel']") for i in range(6)]
+
+
+def test_alpa_model_parallel_mlp_on_1x4():
+  step, make, data = _mlp(hidden=256, batch=32, shape=(1, 4))
+  exe = step.get_executable(make(), data)
+  assert _kernel_specs(exe) == [P(None, "mesh_1"), P("mesh_1")] * 3  # column, row, ...
+  comm = exe.communication()
+  assert set(comm) == {"all-reduce"} and comm["all-reduce"].count == 5
+  expected = jax.jit(models.regression_step())(make(), data)
+  assert_trees_close(step(make(), data)[1], expected[1], rtol=1e-5, atol=0)
+
+
+def test_alpa_data_parallel_mlp_on_4x1():
+  step, make, data = _mlp(hidden=32, batch=256, shape=(4, 1))
+  exe = step.get_executable(make(), data)
+  assert _kernel_specs(exe) == [P()] * 6
+  assert exe.plan.spec_of("batch['x']") == P("mesh_0")
+  comm = exe.communication()
+  assert set(comm) == {"all-reduce"} and comm["all-reduce"].count == 1
+
+
+def test_alpa_objective_matches_the_closed_form_with_unit_costs():
+  # With alpha = beta = 1 Alpa's test predicts (layers - 1) all-reduces of batch x hidden.
+  step, make, data = _mlp(hidden=256, batch=32, shape=(1, 4), alpha=1.0, beta=1.0)
+  exe = step.get_executable(make(), data)
+  all_reduce = 1 + 2 * 3 / 4 * 32 * 256 * 4
+  assert exe.plan.objective == pytest.approx(5 * all_reduce, rel=1e-4)
+
+
+def test_model_parallelism_lands_on_the_cheap_axis():
+  # Alpa's 2-D case: batch 256, hidden 32; the second mesh axis is 10x cheaper.
+  step, make, data = _mlp(hidden=32, batch=256, shape=(2, 2), beta=(1e-10, 1e-11))
+  exe = step.get_executable(make(), data)
+  for spec in _kernel_specs(exe):
+    assert "mesh_0" not in str(spec) and "mesh_1" in str(spec)
+
+
+def test_mesh_shape_search_records_every_shape_and_matches_serial():
+  data = models.regression_batch(64, 64)
+  make = lambda: models.create_state(models.MLP(hidden=64, num_layers=2), data["x"],
+                                     tx=optax.sgd(0.1, momentum=0.9))
+  step = jd.parallelize(models.regression_step(), method=jd.ShardParallel())
+  exe = step.get_executable(make(), data)
+  assert set(exe.plan.mesh_objectives) == {"8", "2x4", "4x2"}
+  assert exe.plan.objective == min(exe.plan.mesh_objectives.values())
+  assert exe.auto_sharding_objective == exe.plan.objective
+  expected = jax.jit(models.regression_step())(make(), data)
+  assert_trees_close(step(make(), data), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_gpt_matches_serial_twice():
+  config = models.GPTConfig(vocab=256, width=64, heads=4, depth=2, seq_len=32)
+  batch = models.token_batch(16, config)
+  make = lambda: models.create_state(models.GPT(config), batch["tokens"][:, :-1],
+                                     tx=optax.sgd(0.1, momentum=0.9))
+  serial = jax.jit(models.lm_step())
+  step = jd.parallelize(models.lm_step(jd.value_and_grad),
+                        method=jd.ShardParallel(logical_mesh_shape=(2, 4)))
+  s_ref, m_ref = serial(make(), batch)
+  s, m = step(make(), batch)
+  assert_trees_close((s, m), (s_ref, m_ref), rtol=1e-5, atol=1e-6)
+  assert_trees_close(step(s, batch), serial(s_ref, batch), rtol=1e-5, atol=1e-6)
+
+
+def _control_flow_step(state, batch):
+  def loss_fn(w):
+    x = batch["x"]
+    h = x @ w
+    h = jax.lax.fori_loop(0, 3, lambda i, c: jnp.tanh(c) * 0.9 + 0.1 * h, h)
+    h = jax.lax.cond(h.sum() > 0, lambda a: a * 2.0, lambda a: a - 1.0, h)
+    h = h + jnp.sort(h, axis=1) * 0.1
+    h = h + jnp.cumsum(h, axis=1) * 0.01
+    h = h + jnp.fft.irfft(jnp.fft.rfft(h, axis=1), n=h.shape[1], axis=1) * 0.1
+    picked = jnp.take(h, batch["idx"], axis=1)                 # gather
+    summed = jnp.zeros(h.shape[1]).at[batch["idx"]].add(1.0)   # scatter-add
+    return jnp.mean(picked ** 2) + jnp.mean(h * summed) * 0.01
+  loss, g = jax.value_and_grad(loss_fn)(state)
+  return state - 0.1 * g, loss
+
+
+def test_control_flow_and_unusual_ops_run_and_match_serial():
+  w = jax.random.normal(jax.random.key(0), (16, 32)) * 0.1
+  batch = {"x": jax.random.normal(jax.random.key(1), (64, 16)),
+           "idx": jnp.arange(64) % 32}
+  expected = jax.jit(_control_flow_step)(w, batch)
+  step = jd.parallelize(_control_flow_step, method=jd.ShardParallel(logical_mesh_shape=(2, 4)))
+  assert_trees_close(step(w, batch), expected, rtol=1e-4, atol=1e-6)
+
+
+def test_partition_constraints_pin_leaves():
+  data = models.regression_batch(64, 64)
+  state = models.create_state(models.MLP(hidden=64, num_layers=2), data["x"], tx=optax.sgd(0.1))
+  pinned = {"state.params['params']['Dense_0']['kernel']": P(None, "mesh_0"),
+            "state.params*['bias']": P()}
+  option = jd.AutoShardingOption(partition_constraints=pinned)
+  exe = jd.parallelize(models.regression_step(), method=jd.ShardParallel(
+      logical_mesh_shape=(2, 4), auto_sharding_option=option)).get_executable(state, data)
+  assert exe.plan.spec_of("state.params['params']['Dense_0']['kernel']") == P(None, "mesh_0")
+  for i in range(3):
+    assert exe.plan.spec_of(f"state.params['params']['Dense_{i}']['bias']") == P()
+
+
+def test_memory_budget_is_met_or_refused():
+  data = models.regression_batch(64, 256)
+  state = models.create_state(models.MLP(hidden=256, num_layers=2), data["x"], tx=optax.adam(1e-3))
+  free = jd.parallelize(models.regression_step(), method=jd.ShardParallel(
+      logical_mesh_shape=(8,), auto_sharding_option=jd.AutoShardingOption(
+          force_data_parallel=True))).get_executable(state, data)
+  budget = 0.5 * free.get_total_allocation_size()
+  exe = jd.parallelize(models.regression_step(), method=jd.ShardParallel(
+      logical_mesh_shape=(8,), auto_sharding_option=jd.AutoShardingOption(
+          memory_budget_per_device=budget))).get_executable(state, data)
+  assert exe.get_total_allocation_size() <= budget
+  with pytest.raises(errors.InfeasiblePlanError, match=r"memory_budget_per_device=1000 bytes"):
+    jd.parallelize(models.regression_step(), method=jd.ShardParallel(
+        logical_mesh_shape=(8,), auto_sharding_option=jd.AutoShardingOption(
+            memory_budget_per_device=1000))).get_executable(state, data)
+
+
+def test_bad_shard_parallel_input():
+  data = models.regression_batch(64, 64, out=6)
+  state = models.create_state(models.MLP(hidden=64, num_layers=1, out=6), data["x"],
+                              tx=optax.sgd(0.1))
+  run = lambda **kw: jd.parallelize(models.regression_step(),
+                                    method=jd.ShardParallel(**kw)).get_executable(state, data)
+  with pytest.raises(errors.MeshShapeError, match=r"\(2, 3\)\) multiplies to 6.*8 devices"):
+    run(logical_mesh_shape=(2, 3))
+  with pytest.raises(errors.InvalidArgumentError, match=r"names mesh axis 'model'.*mesh_0"):
+    run(logical_mesh_shape=(2, 4), auto_sharding_option=jd.AutoShardingOption(
+        partition_constraints={"state.params*['kernel']": P(None, "model")}))
+  with pytest.raises(errors.InvalidArgumentError, match=r"'params\*kernel' matches no leaf.*state"):
+    run(logical_mesh_shape=(2, 4), auto_sharding_option=jd.AutoShardingOption(
+        partition_constraints={"params*kernel": P()}))
+  with pytest.raises(errors.InvalidArgumentError, match=r"does not divide.*\(64, 6\)"):
+    run(logical_mesh_shape=(2, 4), auto_sharding_option=jd.AutoShardingOption(
+        partition_constraints={"state.params['params']['Dense_1']['kernel']": P(None, "mesh_1")}))
+  with pytest.raises(errors.InvalidArgumentError, match=r"solver='greedy'.*'ilp'"):
+    jd.AutoShardingOption(solver="greedy")
+  with pytest.raises(errors.InvalidArgumentError, match="num_micro_batches=2.*not implemented"):
+    run(num_micro_batches=2)
