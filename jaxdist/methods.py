@@ -177,7 +177,10 @@ class ShardParallel(Method):
       solves every factorization of the device count (1-D and 2-D) and keeps the
       cheapest; each shape's objective is recorded in the plan.
     auto_sharding_option: an :class:`AutoShardingOption`.
-    plan: a saved :class:`jaxdist.Plan` to apply instead of searching.
+    plan: a saved :class:`jaxdist.Plan` (``Plan.load(path)``) to apply instead of
+      searching: its mesh shape and every input leaf's spec are taken as they are and
+      only the equations in between are solved. A plan made for another model raises
+      ``PlanMismatchError`` naming the first leaf path or shape that differs.
   """
 
   devices: Any = None
@@ -196,6 +199,9 @@ class ShardParallel(Method):
       raise errors.MeshShapeError(
           f"ShardParallel(logical_mesh_shape={shape!r}): give a tuple of 1 or 2 positive ints "
           f"whose product is the device count, or None to search.")
+    if self.plan is not None and type(self.plan).__name__ != "Plan":
+      raise errors.InvalidArgumentError(
+          f"ShardParallel(plan={self.plan!r:.60}) must be a jaxdist.Plan (jaxdist.Plan.load(path)).")
     opt = self.auto_sharding_option
     if opt is not None and not isinstance(opt, AutoShardingOption):
       raise errors.InvalidArgumentError(

@@ -208,3 +208,33 @@ def test_bad_shard_parallel_input():
     jd.AutoShardingOption(solver="greedy")
   with pytest.raises(errors.InvalidArgumentError, match="num_micro_batches=2.*not implemented"):
     run(num_micro_batches=2)
+
+
+def test_a_saved_plan_skips_the_search_and_refuses_another_model(tmp_path):
+  data = models.regression_batch(64, 64)
+  make = lambda hidden: models.create_state(models.MLP(hidden=hidden, num_layers=2), data["x"],
+                                            tx=optax.sgd(0.1, momentum=0.9))
+  searched = jd.parallelize(models.regression_step(), method=jd.ShardParallel())
+  searched_exe = searched.get_executable(make(64), data)
+  searched_exe.plan.save(tmp_path / "plan.json")
+  plan = jd.Plan.load(tmp_path / "plan.json")
+  replayed = jd.parallelize(models.regression_step(), method=jd.ShardParallel(plan=plan))
+  exe = replayed.get_executable(make(64), data)
+  assert exe.plan.inputs == searched_exe.plan.inputs
+  assert exe.plan.mesh_objectives.keys() == {"x".join(map(str, plan.mesh_shape))}
+  assert_trees_close(replayed(make(64), data), searched(make(64), data), rtol=1e-6, atol=1e-7)
+  other = jd.parallelize(models.regression_step(), method=jd.ShardParallel(plan=plan))
+  with pytest.raises(errors.PlanMismatchError,
+                     match=r"Dense_0'\]\['bias'\] with shape \(64,\), the step has \(32,\)"):
+    other.get_executable(make(32), data)
+
+
+def test_saved_example_plans_fit_their_workloads():
+  import os
+  import sys
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+  import save_plans
+  for name, step, state, batch in save_plans.workloads():
+    plan = jd.Plan.load(os.path.join(save_plans.OUT, f"{name}.shard_parallel.json"))
+    exe = jd.parallelize(step, method=jd.ShardParallel(plan=plan)).get_executable(state, batch)
+    assert [e.spec for e in exe.plan.inputs] == [e.spec for e in plan.inputs], name

@@ -53,13 +53,43 @@ def candidate_shapes(n: int) -> list[tuple[int, ...]]:
   return [(n,)] + [(a, n // a) for a in range(2, n) if n % a == 0 and n // a > 1]
 
 
-def mesh_for(shape: tuple[int, ...], base: LogicalMesh) -> LogicalMesh:
+def mesh_for(shape: tuple[int, ...], base: LogicalMesh,
+             axis_names: tuple[str, ...] | None = None) -> LogicalMesh:
   """A logical mesh of ``shape`` over ``base``'s devices, with its α/β where they fit."""
-  if shape == base.shape:
+  if shape == base.shape and axis_names in (None, base.axis_names):
     return base
   alpha = base.alpha if len(base.shape) == len(shape) else max(base.alpha)
   beta = base.beta if len(base.shape) == len(shape) else max(base.beta)
-  return LogicalMesh(shape, alpha=alpha, beta=beta, devices=base.devices)
+  return LogicalMesh(shape, axis_names=axis_names, alpha=alpha, beta=beta, devices=base.devices)
+
+
+def pinned_by_plan(plan, step: TracedStep) -> dict[int, DimAxes]:
+  """Input position → spec from a saved plan, which must describe exactly this step.
+
+  Raises:
+    PlanMismatchError: naming the first leaf path or shape that differs.
+  """
+  if plan.method != "ShardParallel":
+    raise errors.PlanMismatchError(
+        f"ShardParallel(plan=...) got a plan made by {plan.method}; pass a ShardParallel plan.")
+  by_path = {e.path: e for e in plan.inputs}
+  for leaf in step.inputs:
+    entry = by_path.get(leaf.path)
+    if entry is None:
+      raise errors.PlanMismatchError(
+          f"the plan has no entry for {leaf.path} {leaf.shape}: it was made for another model "
+          f"(its first leaves: {', '.join(e.path for e in plan.inputs[:3])}).")
+    if tuple(entry.shape) != leaf.shape:
+      raise errors.PlanMismatchError(
+          f"the plan has {leaf.path} with shape {tuple(entry.shape)}, the step has {leaf.shape}: "
+          f"it was made for another model or batch size.")
+  extra = set(by_path) - {leaf.path for leaf in step.inputs}
+  if extra:
+    raise errors.PlanMismatchError(
+        f"the plan has {sorted(extra)[0]}, which this step does not: it was made for another "
+        f"model.")
+  return {k: from_partition_spec(by_path[leaf.path].spec, len(leaf.shape))
+          for k, leaf in enumerate(step.inputs)}
 
 
 def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: LogicalMesh):
@@ -70,8 +100,14 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
         f"ShardParallel(num_micro_batches={method.num_micro_batches}): gradient accumulation is "
         f"not implemented for ShardParallel yet; use DataParallel / Zero2Parallel / "
         f"Zero3Parallel with num_micro_batches, or ShardParallel with num_micro_batches=None.")
-  shapes = [tuple(method.logical_mesh_shape)] if method.logical_mesh_shape else \
-      candidate_shapes(base.num_devices)
+  pinned = None
+  if method.plan is not None:
+    pinned = pinned_by_plan(method.plan, step)
+    shapes = [tuple(method.plan.mesh_shape)]
+  elif method.logical_mesh_shape:
+    shapes = [tuple(method.logical_mesh_shape)]
+  else:
+    shapes = candidate_shapes(base.num_devices)
   for shape in shapes:
     if math.prod(shape) != base.num_devices:
       raise errors.MeshShapeError(
@@ -82,9 +118,9 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
   step = dataclasses.replace(step, closed_jaxpr=inlined)
   plans, objectives, infeasible = [], {}, []
   for shape in shapes:
-    lmesh = mesh_for(shape, base)
+    lmesh = mesh_for(shape, base, method.plan.axis_names if method.plan is not None else None)
     try:
-      plan = _plan_one(step, lmesh, opt)
+      plan = _plan_one(step, lmesh, opt, pinned)
     except errors.InfeasiblePlanError as e:
       infeasible.append(e)
       continue
@@ -96,8 +132,11 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
   return step, layout_of(step, best), best.solution.objective, objectives
 
 
-def _input_choices(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption):
+def _input_choices(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
+                   pinned: dict[int, DimAxes] | None = None):
   sizes = dict(zip(lmesh.axis_names, lmesh.shape))
+  if pinned is not None:
+    return {k: [spec] for k, spec in pinned.items()}
   names = lmesh.axis_names
   choices = {}
   constraints = opt.partition_constraints or {}
@@ -161,12 +200,13 @@ def _validated_constraint(pattern, pspec, leaf, lmesh) -> DimAxes:
   return spec
 
 
-def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption) -> MeshPlan:
+def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
+              pinned: dict[int, DimAxes] | None = None) -> MeshPlan:
   jaxpr = step.closed_jaxpr.jaxpr
   cost_model = CostModel(lmesh, allow_all_gather=opt.allow_all_gather,
                          allow_all_to_all=opt.allow_all_to_all)
   tied = {o: i for o, i in enumerate(step.output_source) if i is not None}
-  graph = build_graph(jaxpr, cost_model, _input_choices(step, lmesh, opt), tied)
+  graph = build_graph(jaxpr, cost_model, _input_choices(step, lmesh, opt, pinned), tied)
   memory = None
   if opt.memory_budget_per_device is not None:
     memory = memory_constraint(jaxpr, graph, step, lmesh)
