@@ -27,7 +27,7 @@ class DemoRow:
 
 
 def available_methods() -> list[m.Method]:
-  return [m.DataParallel(), m.Zero2Parallel(), m.Zero3Parallel()]
+  return [m.DataParallel(), m.Zero2Parallel(), m.Zero3Parallel(), m.ShardParallel()]
 
 
 def run(config: GPTConfig = DEMO_CONFIG, batch_size: int = 32, num_steps: int = 5):
@@ -49,16 +49,19 @@ def run(config: GPTConfig = DEMO_CONFIG, batch_size: int = 32, num_steps: int = 
     state, metrics = step(state, batch)
     first_loss = float(metrics["loss"])
     _, _, seconds = time_steps(step, state, batch, num_steps=num_steps, warmup=1)
-    rows.append(DemoRow(method.name, seconds, exe.get_total_allocation_size(),
+    name = method.name
+    if exe.plan.objective is not None:
+      name += f" {'x'.join(map(str, exe.plan.mesh_shape))}"
+    rows.append(DemoRow(name, seconds, exe.get_total_allocation_size(),
                         total_wire_bytes(exe.communication()), first_loss))
   return rows, float(serial_metrics["loss"])
 
 
 def format_table(rows: list[DemoRow], serial_loss: float) -> str:
-  lines = [f"{'method':<16} {'step ms':>9} {'MB/device':>10} {'comm MB/step':>13} "
+  lines = [f"{'method':<18} {'step ms':>9} {'MB/device':>10} {'comm MB/step':>13} "
            f"{'loss':>10} {'Δ serial':>9}"]
   for r in rows:
-    lines.append(f"{r.method:<16} {r.step_time_s * 1e3:>9.1f} {r.bytes_per_device / 1e6:>10.2f} "
+    lines.append(f"{r.method:<18} {r.step_time_s * 1e3:>9.1f} {r.bytes_per_device / 1e6:>10.2f} "
                  f"{r.comm_bytes_per_step / 1e6:>13.2f} {r.loss:>10.5f} "
                  f"{abs(r.loss - serial_loss):>9.1e}")
   spread = max(abs(r.loss - serial_loss) for r in rows)

@@ -9,8 +9,10 @@ and inverse bandwidth ``β`` (s/byte), and ``b`` the bytes of the per-device *re
 - all-to-all:      α + β (n − 1)/n · b   (each device keeps 1/n of its data, sends the rest)
 
 A collective over several axes uses the largest α and β among them and the product of
-their sizes. Compute is ``flops / num_shards / peak_flops``: a replicated computation
-pays its full flop count on every device, which is what makes splitting attractive.
+their sizes. Compute is ``flops / num_shards / peak_flops`` for dots and convolutions,
+and every equation also pays ``output bytes per device / memory_bandwidth`` (elementwise
+work is memory-bound): a replicated computation pays its full size on every device,
+which is what makes splitting attractive beyond the dots.
 """
 
 from __future__ import annotations
@@ -32,12 +34,14 @@ class CostModel:
   Attributes:
     mesh: the logical mesh (axis sizes, α and β per axis).
     peak_flops: per-device compute rate used to turn flops into seconds.
+    memory_bandwidth: per-device bytes per second for writing an equation's outputs.
     allow_all_gather, allow_all_to_all: when False, resharding that needs that
       collective costs ``DISALLOWED_S`` instead, so the planner avoids it if it can.
   """
 
   mesh: LogicalMesh
   peak_flops: float = 1e14
+  memory_bandwidth: float = 2e12
   allow_all_gather: bool = True
   allow_all_to_all: bool = True
 
@@ -71,6 +75,9 @@ class CostModel:
 
   def compute(self, flops: float, shards: int) -> float:
     return flops / max(shards, 1) / self.peak_flops
+
+  def write(self, bytes_per_device: float) -> float:
+    return bytes_per_device / self.memory_bandwidth
 
   def reshard(self, src: DimAxes, dst: DimAxes, full_bytes: float) -> float:
     """Cost of moving a tensor of ``full_bytes`` (unsharded) from ``src`` to ``dst``.

@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxdist import errors
 from jaxdist.shard.cost import CostModel
-from jaxdist.shard.specs import DimAxes, replicated
+from jaxdist.shard.specs import DimAxes, num_shards, replicated
 from jaxdist.shard.strategies import Follow, Strategy, input_strategies, nbytes, rule_for
 
 # Tie-breaking penalty for keeping an input leaf replicated, as a fraction of a 1-byte
@@ -99,8 +99,9 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
     producer[v] = (new_node(f"input {k}", strategies, input_index=k), 0)
 
   for eqn in jaxpr.eqns:
-    rule = rule_for(eqn, cost_model, lambda v: _has_producer(v, producer))
-    if rule is None:
+    rule = rule_for(eqn, cost_model, lambda v: _has_producer(v, producer),
+                    lambda v: group_sizes[nodes[producer[v][0]].group])
+    if rule is None or (isinstance(rule, list) and not rule):
       if eqn.primitive.name not in unknown:
         unknown.append(eqn.primitive.name)
       rule = [Strategy(f"{eqn.primitive.name} (no rule: replicated)",
@@ -130,6 +131,10 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
       group_costs[node.group][t] += s.cost
     if node.eqn is None:
       continue
+    out_bytes = [nbytes(v) for v in node.eqn.outvars]
+    for t, s in enumerate(node.strategies):
+      group_costs[node.group][t] += sum(cost_model.write(b / num_shards(spec, sizes))
+                                        for b, spec in zip(out_bytes, s.out_specs))
     for pos, v in enumerate(node.eqn.invars):
       if isinstance(v, jex.Literal) or v not in producer:
         continue

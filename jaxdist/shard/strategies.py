@@ -101,11 +101,14 @@ def _replicated_strategy(eqn, name: str, cost: float = 0.0) -> Strategy:
                   tuple(replicated(len(_shape(v))) for v in eqn.invars), cost)
 
 
-def rule_for(eqn, cost_model: CostModel, produced: Callable) -> Follow | list[Strategy] | None:
+def rule_for(eqn, cost_model: CostModel, produced: Callable,
+             freedom: Callable = lambda v: 0) -> Follow | list[Strategy] | None:
   """The rule for ``eqn``; None means: no rule (replicate and warn).
 
   ``produced(var)`` tells whether an operand comes from another node (not a literal):
-  only those can be followed.
+  only those can be followed. ``freedom(var)`` is the number of choices of the
+  operand's group: among equally large operands, the freest is followed (a causal mask
+  built from an iota must not decide the layout of the attention scores).
   """
   name = eqn.primitive.name
   sizes = cost_model.axis_sizes
@@ -118,7 +121,7 @@ def rule_for(eqn, cost_model: CostModel, produced: Callable) -> Follow | list[St
               for s in enumerate_specs(_shape(out), sizes)]
     return [_replicated_strategy(eqn, f"{name} (constant)")]
   if name in ELEMENTWISE or _is_elementwise_call(eqn):
-    return _elementwise(eqn, produced)
+    return _elementwise(eqn, produced, freedom)
   if name == "dot_general":
     return _dot_general(eqn, cost_model)
   if name in REDUCTIONS:
@@ -158,14 +161,18 @@ def _is_elementwise_call(eqn) -> bool:
           and all(e.primitive.name in ELEMENTWISE | {"broadcast_in_dim"} for e in inner.eqns))
 
 
-def _elementwise(eqn, produced) -> Follow | None:
+def _elementwise(eqn, produced, freedom) -> Follow | None:
   shape = _shape(eqn.outvars[0])
   candidates = [i for i, v in enumerate(eqn.invars)
                 if produced(v) and len(_shape(v)) == len(shape)]
+  if eqn.primitive.name == "select_n" and any(i > 0 for i in candidates):
+    candidates = [i for i in candidates if i > 0]  # follow the data, not the predicate
   if not candidates:
     return None
-  # Follow the produced operand with the most elements (all operands may broadcast).
-  lead = max(candidates, key=lambda i: (math.prod(_shape(eqn.invars[i])), -i))
+  # Follow the produced operand with the most elements (all operands may broadcast),
+  # then the one whose group has the most choices.
+  lead = max(candidates, key=lambda i: (math.prod(_shape(eqn.invars[i])),
+                                        freedom(eqn.invars[i]), -i))
   lead_shape = _shape(eqn.invars[lead])
 
   def operand_spec(spec, v):
@@ -319,15 +326,12 @@ def _dot_general(eqn, cost_model: CostModel) -> list[Strategy]:
   lfree = [d for d in range(len(ls)) if d not in lc and d not in lb]
   rfree = [d for d in range(len(rs)) if d not in rc and d not in rb]
   sizes = cost_model.axis_sizes
-  # Roles a mesh axis can take: a batch pair, the largest lhs/rhs free dim, the largest
-  # contraction pair.
+  # Roles a mesh axis can take: a batch pair, any lhs or rhs free dim, any contraction
+  # pair. (A (B, S, D) activation must be splittable on B as well as S, and so must the
+  # weight gradient that contracts it over both.)
   roles = [("b", i) for i in range(len(lb))]
-  if lfree:
-    roles.append(("l", max(lfree, key=lambda d: ls[d])))
-  if rfree:
-    roles.append(("r", max(rfree, key=lambda d: rs[d])))
-  if lc:
-    roles.append(("k", max(range(len(lc)), key=lambda i: ls[lc[i]])))
+  roles += [("l", d) for d in lfree] + [("r", d) for d in rfree]
+  roles += [("k", i) for i in range(len(lc))]
   axes = [a for a, n in sizes.items() if n > 1]
   flops = 2.0 * math.prod(ls) * math.prod(rs[d] for d in rfree)
   out_rank = len(_shape(out))
@@ -358,7 +362,7 @@ def _dot_general(eqn, cost_model: CostModel) -> list[Strategy]:
     cost = cost_model.compute(flops, shards)
     if partial:
       cost += cost_model.all_reduce(partial, _nbytes(out) / out_shards)
-    label = " ".join(f"{a}:{r[0]}" for a, r in zip(axes, choice) if r) or "replicated"
+    label = " ".join(f"{a}:{r[0]}{r[1]}" for a, r in zip(axes, choice) if r) or "replicated"
     strategies.append((all(choice), Strategy(f"dot {label}", (o_spec,), (l_spec, r_spec), cost)))
   return _no_heavy_recompute(strategies)
 
@@ -369,57 +373,77 @@ def _no_heavy_recompute(tagged: list[tuple[bool, Strategy]]) -> list[Strategy]:
   return full or [s for _, s in tagged]
 
 
+def _index_batch_specs(idx_shape, sizes):
+  """Splits of an indices array over its batch dims (the last dim is the index vector)."""
+  if not idx_shape:
+    return [()]
+  return [spec for spec in enumerate_specs(idx_shape, sizes) if not spec[-1]]
+
+
 def _gather(eqn, sizes) -> list[Strategy]:
+  """Gather: split the indices' batch dims; the output follows them, and where a dim
+  is also an operand batching dim (take_along_axis) the operand is split alike."""
   operand, indices = eqn.invars[0], eqn.invars[1]
-  out_shape = _shape(eqn.outvars[0])
+  out_shape, idx_shape, op_shape = _shape(eqn.outvars[0]), _shape(indices), _shape(operand)
   dnums = eqn.params["dimension_numbers"]
-  offset = set(dnums.offset_dims)
-  batch_out = [d for d in range(len(out_shape)) if d not in offset]
-  idx_shape = _shape(indices)
-  idx_batch = [d for d in range(len(idx_shape)) if d != len(idx_shape) - 1] \
-      if len(idx_shape) else []
-  strategies = [Strategy("gather replicated", (replicated(len(out_shape)),),
-                         (replicated(len(_shape(operand))), replicated(len(idx_shape))))]
-  for axis, n in sizes.items():
-    if n == 1:
+  out_batch = [d for d in range(len(out_shape)) if d not in set(dnums.offset_dims)]
+  idx_batch = list(range(len(idx_shape) - 1))
+  paired = dict(zip(getattr(dnums, "start_indices_batching_dims", ()),
+                    getattr(dnums, "operand_batching_dims", ())))
+  strategies = []
+  for ispec in _index_batch_specs(idx_shape, sizes):
+    o = [()] * len(out_shape)
+    op = [()] * len(op_shape)
+    for k, idd in enumerate(idx_batch):
+      if ispec[idd] and k < len(out_batch):
+        o[out_batch[k]] = ispec[idd]
+        if idd in paired:
+          op[paired[idd]] = ispec[idd]
+    if not divides(op_shape, tuple(op), sizes):
       continue
-    for bi, (od, idd) in enumerate(zip(batch_out, idx_batch)):
-      if idx_shape[idd] % n or out_shape[od] % n or idx_shape[idd] != out_shape[od]:
-        continue
-      o = list(replicated(len(out_shape))); o[od] = (axis,)
-      i = list(replicated(len(idx_shape))); i[idd] = (axis,)
-      strategies.append(Strategy(f"gather {axis}:b{bi}", (tuple(o),),
-                                 (replicated(len(_shape(operand))), tuple(i))
-                                 + (None,) * (len(eqn.invars) - 2)))
-  return [s if len(s.in_specs) == len(eqn.invars) else
-          dataclasses.replace(s, in_specs=s.in_specs + (None,) * (len(eqn.invars) - len(s.in_specs)))
-          for s in strategies]
+    strategies.append(Strategy(f"gather {_describe_short(ispec)}", (tuple(o),),
+                               (tuple(op), ispec) + (None,) * (len(eqn.invars) - 2)))
+  return strategies
 
 
 def _scatter_add(eqn, cost_model: CostModel) -> list[Strategy]:
+  """Scatter-add: split the indices' batch dims (and the updates' scatter dims). A dim
+  paired with an operand batching dim splits the operand too, at no cost; any other
+  split leaves partial sums that are all-reduced over its axes."""
   operand, indices, updates = eqn.invars[:3]
   out = eqn.outvars[0]
   dnums = eqn.params["dimension_numbers"]
-  window = set(dnums.update_window_dims)
-  us, ish = _shape(updates), _shape(indices)
-  u_batch = [d for d in range(len(us)) if d not in window]
-  i_batch = [d for d in range(len(ish)) if d != len(ish) - 1] if ish else []
-  rep = lambda v: replicated(len(_shape(v)))
-  strategies = [Strategy("scatter-add replicated", (rep(out),),
-                         (rep(operand), rep(indices), rep(updates)) + (None,) * (len(eqn.invars) - 3))]
-  for axis, n in cost_model.axis_sizes.items():
-    if n == 1:
-      continue
-    for ud, idd in zip(u_batch, i_batch):
-      if us[ud] % n or ish[idd] % n:
+  us, ish, os_ = _shape(updates), _shape(indices), _shape(operand)
+  u_scatter = [d for d in range(len(us)) if d not in set(dnums.update_window_dims)]
+  idx_batch = list(range(len(ish) - 1))
+  paired = dict(zip(getattr(dnums, "scatter_indices_batching_dims", ()),
+                    getattr(dnums, "operand_batching_dims", ())))
+  sizes = cost_model.axis_sizes
+  strategies = []
+  for ispec in _index_batch_specs(ish, sizes):
+    u = [()] * len(us)
+    op = [()] * len(os_)
+    partial = []
+    for k, idd in enumerate(idx_batch):
+      if not ispec[idd] or k >= len(u_scatter):
         continue
-      u = list(rep(updates)); u[ud] = (axis,)
-      i = list(rep(indices)); i[idd] = (axis,)
-      cost = cost_model.all_reduce((axis,), _nbytes(out))
-      strategies.append(Strategy(f"scatter-add {axis}:b", (rep(out),),
-                                 (rep(operand), tuple(i), tuple(u))
-                                 + (None,) * (len(eqn.invars) - 3), cost))
+      u[u_scatter[k]] = ispec[idd]
+      if idd in paired:
+        op[paired[idd]] = ispec[idd]
+      else:
+        partial += list(ispec[idd])
+    if not (divides(us, tuple(u), sizes) and divides(os_, tuple(op), sizes)):
+      continue
+    out_shards = math.prod(sizes[a] for a in sum(op, ()))
+    cost = cost_model.all_reduce(tuple(partial), _nbytes(out) / out_shards) if partial else 0.0
+    strategies.append(Strategy(f"scatter-add {_describe_short(ispec)}", (tuple(op),),
+                               (tuple(op), ispec, tuple(u)) + (None,) * (len(eqn.invars) - 3),
+                               cost))
   return strategies
+
+
+def _describe_short(spec) -> str:
+  return ",".join("+".join(a) if a else "-" for a in spec)
 
 
 def _conv(eqn, cost_model: CostModel) -> list[Strategy]:
