@@ -23,6 +23,7 @@ bench: $(STAMP)
 	$(PY) bench/zero_memory.py
 	$(PY) bench/overhead.py
 	$(PY) bench/accumulation.py
+	$(PY) bench/plan_time.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -20,6 +20,7 @@ import warnings
 
 import cvxpy as cp
 import numpy as np
+import scipy.sparse as sp
 
 from jaxdist import errors
 from jaxdist.shard.graph import StrategyGraph
@@ -89,6 +90,10 @@ def solve_ilp(graph: StrategyGraph, memory: MemoryConstraint | None = None,
               budget: float | None = None, time_limit_s: float | None = None) -> Solution:
   """Solves the ILP; on a time limit returns the best plan found, with a warning.
 
+  The model is stated with one boolean vector ``x`` (every free group's one-hot, side
+  by side), one vector ``e`` (every edge matrix, flattened) and sparse constraint
+  matrices, so that cvxpy's canonicalization does not grow with the number of groups.
+
   Raises:
     InfeasiblePlanError: no plan meets ``budget`` (the message gives the least peak).
   """
@@ -98,48 +103,75 @@ def solve_ilp(graph: StrategyGraph, memory: MemoryConstraint | None = None,
     if budget is not None and memory is not None and memory.usage(choice) > budget:
       _infeasible(memory, budget)
     return Solution(choice, objective_of(graph, choice), "trivial")
-  s = {g: cp.Variable(graph.group_sizes[g], boolean=True) for g in free}
-
-  def pick(g):  # the one-hot of group g, as an expression or a constant vector
-    if g in s:
-      return s[g]
-    one = np.zeros(graph.group_sizes[g])
-    one[0] = 1.0
-    return one
-
-  constraints = [cp.sum(s[g]) == 1 for g in free]
-  terms = [graph.group_costs[g] @ s[g] for g in free if np.any(graph.group_costs[g])]
-  constant = sum(float(graph.group_costs[g][0]) for g in range(len(graph.group_sizes))
-                 if g not in s)
+  offset, n_x = {}, 0
+  for g in free:
+    offset[g] = n_x
+    n_x += graph.group_sizes[g]
+  c = np.zeros(n_x)
+  for g in free:
+    c[offset[g]:offset[g] + graph.group_sizes[g]] += graph.group_costs[g]
+  # One-hot rows: each free group's block sums to 1.
+  onehot = sp.csr_matrix((np.ones(n_x), (np.repeat(np.arange(len(free)),
+                                                   [graph.group_sizes[g] for g in free]),
+                                         np.arange(n_x))), shape=(len(free), n_x))
+  d_parts, e_rows, e_cols, x_rows, x_cols = [], [], [], [], []
+  n_e = n_rows = 0
   for (g, h), m in graph.edge_costs.items():
     if not np.any(m):
       continue
-    if g in s and h in s:
-      e = cp.Variable(m.shape, nonneg=True)
-      constraints += [cp.sum(e, axis=1) == s[g], cp.sum(e, axis=0) == s[h]]
-      terms.append(cp.sum(cp.multiply(m, e)))
-    elif g in s:
-      terms.append(m[:, 0] @ s[g])
-    elif h in s:
-      terms.append(m[0, :] @ s[h])
-    else:
-      constant += float(m[0, 0])
-  if budget is not None and memory is not None:
-    for groups, c in zip(memory.per_group, memory.constant):
-      fixed = c + sum(float(v[0]) for g, v in groups.items() if g not in s)
-      variable = [v @ s[g] for g, v in groups.items() if g in s]
-      if variable:
-        constraints.append(cp.sum(cp.hstack(variable)) + fixed <= budget)
-      elif fixed > budget:
-        _infeasible(memory, budget)
+    if g in offset and h in offset:
+      ng, nh = m.shape
+      idx = n_e + np.arange(ng * nh).reshape(ng, nh)
+      # Row sums of e equal x_g, column sums equal x_h.
+      for a in range(ng):
+        e_rows += [n_rows + a] * nh
+        e_cols += idx[a].tolist()
+      x_rows += list(range(n_rows, n_rows + ng))
+      x_cols += list(range(offset[g], offset[g] + ng))
+      for b in range(nh):
+        e_rows += [n_rows + ng + b] * ng
+        e_cols += idx[:, b].tolist()
+      x_rows += list(range(n_rows + ng, n_rows + ng + nh))
+      x_cols += list(range(offset[h], offset[h] + nh))
+      d_parts.append(m.reshape(-1))
+      n_e += ng * nh
+      n_rows += ng + nh
+    elif g in offset:
+      c[offset[g]:offset[g] + m.shape[0]] += m[:, 0]
+    elif h in offset:
+      c[offset[h]:offset[h] + m.shape[1]] += m[0, :]
 
-  problem = cp.Problem(cp.Minimize(cp.sum(cp.hstack(terms)) if terms else 0), constraints)
+  x = cp.Variable(n_x, boolean=True)
+  constraints = [onehot @ x == 1]
+  objective = c @ x
+  if n_e:
+    e = cp.Variable(n_e, nonneg=True)
+    edge_e = sp.csr_matrix((np.ones(len(e_rows)), (e_rows, e_cols)), shape=(n_rows, n_e))
+    edge_x = sp.csr_matrix((np.ones(len(x_rows)), (x_rows, x_cols)), shape=(n_rows, n_x))
+    constraints.append(edge_e @ e == edge_x @ x)
+    objective = objective + np.concatenate(d_parts) @ e
+  if budget is not None and memory is not None:
+    rows, limits = [], []
+    for groups, const in zip(memory.per_group, memory.constant):
+      row = np.zeros(n_x)
+      fixed = const
+      for g, v in groups.items():
+        if g in offset:
+          row[offset[g]:offset[g] + len(v)] += v
+        else:
+          fixed += float(v[0])
+      if not row.any() and fixed > budget:
+        _infeasible(memory, budget)
+      rows.append(row)
+      limits.append(budget - fixed)
+    constraints.append(np.array(rows) @ x <= np.array(limits))
+
+  problem = cp.Problem(cp.Minimize(objective), constraints)
   options = {} if time_limit_s is None else {"time_limit": float(time_limit_s)}
   problem.solve(solver=cp.HIGHS, **options)
   if problem.status in ("infeasible", "infeasible_inaccurate", "infeasible_or_unbounded"):
     _infeasible(memory, budget)
-  if problem.status not in (cp.OPTIMAL, cp.OPTIMAL_INACCURATE, cp.USER_LIMIT) or any(
-      s[g].value is None for g in free):
+  if problem.status not in (cp.OPTIMAL, cp.OPTIMAL_INACCURATE, cp.USER_LIMIT) or x.value is None:
     raise RuntimeError(f"HiGHS returned status {problem.status!r} without a solution")
   status = "optimal"
   if problem.status == cp.USER_LIMIT:
@@ -147,8 +179,8 @@ def solve_ilp(graph: StrategyGraph, memory: MemoryConstraint | None = None,
     warnings.warn(f"the sharding ILP hit its time limit ({time_limit_s} s); using the best plan "
                   f"found so far (raise AutoShardingOption.solver_time_limit_s for a better one).",
                   errors.JaxdistWarning, stacklevel=3)
-  choice = tuple(int(np.argmax(s[g].value)) if g in s else 0
-                 for g in range(len(graph.group_sizes)))
+  choice = tuple(int(np.argmax(x.value[offset[g]:offset[g] + graph.group_sizes[g]]))
+                 if g in offset else 0 for g in range(len(graph.group_sizes)))
   return Solution(choice, objective_of(graph, choice), status)
 
 
