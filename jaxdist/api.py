@@ -142,11 +142,12 @@ class ParallelizedFunc:
     lmesh = self._mesh()
     request = (None if self.method.recompute_modules is None else
                RecomputeRequest.parse(self.method.recompute_modules, self.method.name))
-    objective, mesh_objectives = None, None
+    shard_plan = None
     with recomputing(request):
       step = trace_step(self.fun, args, static, self.batch_argnums, self.donate_argnums)
       if isinstance(self.method, m.ShardParallel):
-        step, layout, objective, mesh_objectives = plan_shard_parallel(self.method, step, lmesh)
+        shard_plan = plan_shard_parallel(self.method, step, lmesh)
+        step, layout = shard_plan.step, shard_plan.layout
       else:
         layout = data_parallel_layout(self.method, step, lmesh)
       if request is not None and layout.grad_reduce_specs is None:
@@ -162,8 +163,7 @@ class ParallelizedFunc:
         if divisor > 1:
           step = with_micro_batch_trace(self.fun, args, static, step, divisor)
     compiled = compile_layout(step, layout)
-    plan = make_plan(self.method.name, step, layout, num_micro_batches=layout.num_micro_batches,
-                     objective=objective, mesh_objectives=mesh_objectives)
+    plan = make_plan(self.method.name, step, layout, shard_plan)
     dyn_argnums = tuple(i for i in range(len(args)) if i not in static)
     return Executable(step, layout, compiled, plan, dyn_argnums)
 

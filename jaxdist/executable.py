@@ -102,6 +102,26 @@ class Executable:
     return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
                + m.temp_size_in_bytes)
 
+  def check_communication(self, tolerance: float = 0.25) -> list[str]:
+    """Compares the plan's predicted collectives with what XLA compiled.
+
+    Returns one line per collective kind: predicted and compiled result bytes per step,
+    marked ``DIFFERS`` where they are more than ``tolerance`` apart (relative) or one
+    side has none. Counts are shown but not compared: XLA combines independent
+    collectives into one. Methods without a cost model predict nothing.
+    """
+    predicted = self.plan.predicted_collectives
+    compiled = self.communication()
+    lines = []
+    for kind in sorted(set(predicted) | set(compiled)):
+      p = predicted.get(kind, {"count": 0, "result_bytes": 0.0})
+      c = compiled.get(kind, hlo_inspect.CollectiveStats())
+      high = max(p["result_bytes"], c.result_bytes, 1.0)
+      differs = abs(p["result_bytes"] - c.result_bytes) / high > tolerance
+      lines.append(f"{kind}: predicted {p['count']} x, {p['result_bytes']:.0f} B; compiled "
+                   f"{c.count} x, {c.result_bytes} B{'  DIFFERS' if differs else ''}")
+    return lines
+
   def communication(self) -> dict[str, hlo_inspect.CollectiveStats]:
     """Collectives per step, loop-aware: kind → count, result bytes and wire bytes."""
     if self._communication is None:
@@ -109,14 +129,18 @@ class Executable:
     return self._communication
 
 
-def make_plan(method_name: str, step: TracedStep, layout: Layout, num_micro_batches: int,
-              objective: float | None = None, mesh_objectives=None) -> Plan:
+def make_plan(method_name: str, step: TracedStep, layout: Layout, shard_plan=None) -> Plan:
+  """The plan record of a compiled step (``shard_plan``: the shard planner's result)."""
   lmesh = layout.logical_mesh
   entries = tuple(PlanEntry(leaf.path, leaf.shape, str(leaf.dtype), leaf.role, spec)
                   for leaf, spec in zip(step.inputs, layout.in_specs))
+  extra = {}
+  if shard_plan is not None:
+    extra = dict(objective=shard_plan.objective, mesh_objectives=dict(shard_plan.mesh_objectives),
+                 predicted_collectives=dict(shard_plan.predicted_collectives))
   return Plan(method=method_name, mesh_shape=lmesh.shape, axis_names=lmesh.axis_names,
-              inputs=entries, num_micro_batches=num_micro_batches, notes=layout.notes,
-              objective=objective, mesh_objectives=dict(mesh_objectives or {}))
+              inputs=entries, num_micro_batches=layout.num_micro_batches, notes=layout.notes,
+              **extra)
 
 
 def compile_layout(step: TracedStep, layout: Layout):

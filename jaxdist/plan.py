@@ -48,6 +48,8 @@ class Plan:
     notes: human-readable remarks, e.g. leaves that could not be sharded.
     objective: the planner's predicted cost in seconds, where it has one.
     mesh_objectives: for planners that search mesh shapes, each shape's objective.
+    predicted_collectives: for the shard planner, kind → {"count", "result_bytes"}
+      per step and device (``Executable.check_communication`` compares them with XLA's).
     format_version: the JSON format version.
   """
 
@@ -59,6 +61,7 @@ class Plan:
   notes: tuple[str, ...] = ()
   objective: float | None = None
   mesh_objectives: dict[str, float] = dataclasses.field(default_factory=dict)
+  predicted_collectives: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
   format_version: int = FORMAT_VERSION
 
   def to_json(self) -> str:
@@ -96,7 +99,9 @@ class Plan:
     lines = [f"method: {self.method}   mesh: {self.mesh_shape} {self.axis_names}   "
              f"micro-batches: {self.num_micro_batches}"]
     if self.objective is not None:
-      lines.append(f"objective: {self.objective:.6g} s")
+      lines.append(f"objective: {self.objective:.6g} s   mesh shapes tried: {self.mesh_objectives}")
+    for kind, c in sorted(self.predicted_collectives.items()):
+      lines.append(f"predicted {kind}: {c['count']} per step, {c['result_bytes']:.0f} bytes")
     width = max([len(e.path) for e in self.inputs] + [4])
     lines.append(f"{'path':<{width}}  {'shape':<16} {'role':<9} spec")
     for e in self.inputs:

@@ -76,6 +76,8 @@ def test_alpa_model_parallel_mlp_on_1x4():
   assert _kernel_specs(exe) == [P(None, "mesh_1"), P("mesh_1")] * 3  # column, row, ...
   comm = exe.communication()
   assert set(comm) == {"all-reduce"} and comm["all-reduce"].count == 5
+  assert exe.plan.predicted_collectives["all-reduce"]["count"] == 5
+  assert not [line for line in exe.check_communication() if "DIFFERS" in line]
   expected = jax.jit(models.regression_step())(make(), data)
   assert_trees_close(step(make(), data)[1], expected[1], rtol=1e-5, atol=0)
 

@@ -79,31 +79,40 @@ class CostModel:
   def write(self, bytes_per_device: float) -> float:
     return bytes_per_device / self.memory_bandwidth
 
-  def reshard(self, src: DimAxes, dst: DimAxes, full_bytes: float) -> float:
-    """Cost of moving a tensor of ``full_bytes`` (unsharded) from ``src`` to ``dst``.
+  def reshard_collectives(self, src: DimAxes, dst: DimAxes,
+                          full_bytes: float) -> list[tuple[str, tuple[str, ...], float]]:
+    """The collectives that move a tensor of ``full_bytes`` (unsharded) from ``src`` to
+    ``dst``, as (kind, axes, per-device result bytes).
 
-    Per mesh axis: kept on the same dim, free; newly split, a local slice, free;
-    split in ``src`` only, an all-gather; moved to another dim, an all-to-all. Each
-    collective is charged on the per-device bytes it produces.
+    Per mesh axis: kept on the same dim, nothing; newly split, a local slice, nothing;
+    split in ``src`` only, an all-gather; moved to another dim, an all-to-all. A dim
+    kept on the same axes in another order is a full reshuffle (an all-to-all).
     """
     if src == dst:
-      return 0.0
+      return []
     sizes = self.axis_sizes
     where_src = {a: d for d, axes in enumerate(src) for a in axes}
     where_dst = {a: d for d, axes in enumerate(dst) for a in axes}
-    dst_shards = math.prod(sizes[a] for a in where_dst)
-    per_device = full_bytes / dst_shards
-    cost = 0.0
+    per_device = full_bytes / math.prod(sizes[a] for a in where_dst)
+    out = []
     for axis, d in where_src.items():
-      if where_dst.get(axis) == d:
-        continue
-      if axis in where_dst:
-        cost += self.all_to_all((axis,), per_device) if self.allow_all_to_all else DISALLOWED_S
-      else:
-        cost += self.all_gather((axis,), per_device) if self.allow_all_gather else DISALLOWED_S
-    # Replicated -> split needs no communication, but a dim kept on different axis
-    # orders is a full reshuffle: charge it as an all-to-all over those axes.
+      if where_dst.get(axis) != d:
+        out.append(("all-to-all" if axis in where_dst else "all-gather", (axis,), per_device))
     for d, axes in enumerate(dst):
       if src[d] and axes and set(src[d]) == set(axes) and src[d] != axes:
-        cost += self.all_to_all(axes, per_device)
-    return cost
+        out.append(("all-to-all", axes, per_device))
+    return out
+
+  def collective(self, kind: str, axes, nbytes: float) -> float:
+    """Seconds for one collective; a disallowed one costs ``DISALLOWED_S``."""
+    if kind == "all-gather":
+      return self.all_gather(axes, nbytes) if self.allow_all_gather else DISALLOWED_S
+    if kind == "all-to-all":
+      return self.all_to_all(axes, nbytes) if self.allow_all_to_all else DISALLOWED_S
+    if kind == "reduce-scatter":
+      return self.reduce_scatter(axes, nbytes)
+    return self.all_reduce(axes, nbytes)
+
+  def reshard(self, src: DimAxes, dst: DimAxes, full_bytes: float) -> float:
+    """Seconds to move a tensor from ``src`` to ``dst`` (see :meth:`reshard_collectives`)."""
+    return sum(self.collective(*c) for c in self.reshard_collectives(src, dst, full_bytes))

@@ -50,6 +50,8 @@ class StrategyGraph:
     edge_costs: (producer group, consumer group) → cost matrix.
     producer: jaxpr variable → (node index, output position).
     unknown_primitives: primitives that got no rule (replicated).
+    flows: every data flow as (source node, its output position, consumer node, the
+      spec the consumer requires per consumer choice, unsharded bytes).
   """
 
   nodes: list[Node]
@@ -58,6 +60,19 @@ class StrategyGraph:
   edge_costs: dict[tuple[int, int], np.ndarray]
   producer: dict
   unknown_primitives: tuple[str, ...]
+  flows: list = dataclasses.field(default_factory=list)
+
+  def collectives(self, choice, cost_model: CostModel) -> list[tuple[str, tuple, float]]:
+    """Every collective the plan ``choice`` predicts: (kind, axes, per-device bytes)."""
+    out = []
+    for node in self.nodes:
+      out += node.strategies[choice[node.group]].collectives
+    for src, pos, dst, required, full_bytes in self.flows:
+      want = required[choice[self.nodes[dst].group]]
+      have = self.nodes[src].strategies[choice[self.nodes[src].group]].out_specs[pos]
+      if want is not None:
+        out += cost_model.reshard_collectives(have, want, full_bytes)
+    return out
 
   def spec_of(self, var, choice: list[int]) -> DimAxes:
     node_id, pos = self.producer[var]
@@ -126,6 +141,8 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
 
   group_costs = [np.zeros(n) for n in group_sizes]
   edge_costs: dict[tuple[int, int], np.ndarray] = {}
+  flows = []
+  node_ids = {id(node): k for k, node in enumerate(nodes)}
   for node in nodes:
     for t, s in enumerate(node.strategies):
       group_costs[node.group][t] += s.cost
@@ -138,20 +155,23 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
     for pos, v in enumerate(node.eqn.invars):
       if isinstance(v, jex.Literal) or v not in producer:
         continue
-      src = nodes[producer[v][0]]
-      _add_edge(group_costs, edge_costs, cost_model, src, producer[v][1],
-                [s.in_specs[pos] if pos < len(s.in_specs) else None for s in node.strategies],
-                node.group, nbytes(v))
+      required = [s.in_specs[pos] if pos < len(s.in_specs) else None for s in node.strategies]
+      flows.append((producer[v][0], producer[v][1], node_ids[id(node)],
+                    required, nbytes(v)))
+      _add_edge(group_costs, edge_costs, cost_model, nodes[producer[v][0]], producer[v][1],
+                required, node.group, nbytes(v))
 
   for out_pos, in_pos in (tied_outputs or {}).items():
     v_out = jaxpr.outvars[out_pos]
     if isinstance(v_out, jex.Literal) or v_out not in producer:
       continue
-    src = nodes[producer[v_out][0]]
-    dst = nodes[producer[jaxpr.invars[in_pos]][0]]
-    _add_edge(group_costs, edge_costs, cost_model, src, producer[v_out][1],
-              [s.out_specs[0] for s in dst.strategies], dst.group, nbytes(v_out))
-  return StrategyGraph(nodes, group_sizes, group_costs, edge_costs, producer, tuple(unknown))
+    dst_id = producer[jaxpr.invars[in_pos]][0]
+    required = [s.out_specs[0] for s in nodes[dst_id].strategies]
+    flows.append((producer[v_out][0], producer[v_out][1], dst_id, required, nbytes(v_out)))
+    _add_edge(group_costs, edge_costs, cost_model, nodes[producer[v_out][0]], producer[v_out][1],
+              required, nodes[dst_id].group, nbytes(v_out))
+  return StrategyGraph(nodes, group_sizes, group_costs, edge_costs, producer, tuple(unknown),
+                       flows)
 
 
 def _has_producer(v, producer) -> bool:

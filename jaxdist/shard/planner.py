@@ -46,6 +46,7 @@ class MeshPlan:
   graph: StrategyGraph
   solution: Solution
   input_specs: tuple[DimAxes, ...]
+  cost_model: CostModel
 
 
 def candidate_shapes(n: int) -> list[tuple[int, ...]]:
@@ -92,8 +93,29 @@ def pinned_by_plan(plan, step: TracedStep) -> dict[int, DimAxes]:
           for k, leaf in enumerate(step.inputs)}
 
 
-def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: LogicalMesh):
-  """Searches the mesh shapes; returns (step on the inlined jaxpr, Layout, objective, per-shape objectives)."""
+@dataclasses.dataclass(frozen=True)
+class ShardPlanResult:
+  """What the shard planner hands to the compiler and the plan record.
+
+  Attributes:
+    step: the step on its call-inlined jaxpr (the one the layout's equation indices
+      refer to).
+    layout: the chosen shardings.
+    objective: the chosen plan's predicted seconds.
+    mesh_objectives: each tried mesh shape's objective, keyed ``"2x4"``.
+    predicted_collectives: kind → {"count", "result_bytes"} per step (per device).
+  """
+
+  step: TracedStep
+  layout: Layout
+  objective: float
+  mesh_objectives: dict[str, float]
+  predicted_collectives: dict[str, dict[str, float]]
+
+
+def plan_shard_parallel(method: m.ShardParallel, step: TracedStep,
+                        base: LogicalMesh) -> ShardPlanResult:
+  """Searches the mesh shapes (or applies a saved plan) and returns the cheapest plan."""
   opt = method.options
   if (method.num_micro_batches or 1) > 1:
     raise errors.InvalidArgumentError(
@@ -129,7 +151,13 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
   if not plans:
     raise infeasible[0]
   best = min(plans, key=lambda p: p.solution.objective)
-  return step, layout_of(step, best), best.solution.objective, objectives
+  predicted: dict[str, dict[str, float]] = {}
+  for kind, _, nbytes_ in best.graph.collectives(best.solution.choice, best.cost_model):
+    entry = predicted.setdefault(kind, {"count": 0, "result_bytes": 0.0})
+    entry["count"] += 1
+    entry["result_bytes"] += nbytes_
+  return ShardPlanResult(step, layout_of(step, best), best.solution.objective, objectives,
+                         predicted)
 
 
 def _input_choices(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
@@ -212,7 +240,7 @@ def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
     memory = memory_constraint(jaxpr, graph, step, lmesh)
   solution = solve_ilp(graph, memory, opt.memory_budget_per_device, opt.solver_time_limit_s)
   input_specs = tuple(graph.spec_of(v, solution.choice) for v in jaxpr.invars)
-  return MeshPlan(lmesh, graph, solution, input_specs)
+  return MeshPlan(lmesh, graph, solution, input_specs, cost_model)
 
 
 def memory_constraint(jaxpr, graph: StrategyGraph, step: TracedStep,

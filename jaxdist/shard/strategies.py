@@ -44,12 +44,15 @@ class Strategy:
     out_specs: the spec of each output.
     in_specs: the spec each operand must have (None: no requirement).
     cost: compute plus communication of the equation itself, in seconds.
+    collectives: the collectives behind that communication, as (kind, mesh axes,
+      per-device result bytes).
   """
 
   name: str
   out_specs: tuple[DimAxes, ...]
   in_specs: tuple[DimAxes | None, ...]
   cost: float = 0.0
+  collectives: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,8 +206,9 @@ def _reduction(eqn, cost_model: CostModel) -> Follow:
     reduced = tuple(a for d in axes for a in spec[d])
     out_spec = tuple(s for d, s in enumerate(spec) if d not in axes)
     shards = math.prod(cost_model.axis_sizes[a] for s in out_spec for a in s)
-    cost = cost_model.all_reduce(reduced, _nbytes(out) / shards) if reduced else 0.0
-    return Strategy(eqn.primitive.name, (out_spec,), (spec,), cost)
+    comm = (("all-reduce", reduced, _nbytes(out) / shards),) if reduced else ()
+    return Strategy(eqn.primitive.name, (out_spec,), (spec,),
+                    sum(cost_model.collective(*c) for c in comm), comm)
 
   return Follow(0, mapper)
 
@@ -359,11 +363,11 @@ def _dot_general(eqn, cost_model: CostModel) -> list[Strategy]:
       continue
     shards = math.prod(sizes[a] for a, r in zip(axes, choice) if r is not None)
     out_shards = math.prod(sizes[a] for s in o_spec for a in s)
-    cost = cost_model.compute(flops, shards)
-    if partial:
-      cost += cost_model.all_reduce(partial, _nbytes(out) / out_shards)
+    comm = (("all-reduce", tuple(partial), _nbytes(out) / out_shards),) if partial else ()
+    cost = cost_model.compute(flops, shards) + sum(cost_model.collective(*c) for c in comm)
     label = " ".join(f"{a}:{r[0]}{r[1]}" for a, r in zip(axes, choice) if r) or "replicated"
-    strategies.append((all(choice), Strategy(f"dot {label}", (o_spec,), (l_spec, r_spec), cost)))
+    strategies.append((all(choice), Strategy(f"dot {label}", (o_spec,), (l_spec, r_spec), cost,
+                                             comm)))
   return _no_heavy_recompute(strategies)
 
 
@@ -435,10 +439,10 @@ def _scatter_add(eqn, cost_model: CostModel) -> list[Strategy]:
     if not (divides(us, tuple(u), sizes) and divides(os_, tuple(op), sizes)):
       continue
     out_shards = math.prod(sizes[a] for a in sum(op, ()))
-    cost = cost_model.all_reduce(tuple(partial), _nbytes(out) / out_shards) if partial else 0.0
+    comm = (("all-reduce", tuple(partial), _nbytes(out) / out_shards),) if partial else ()
     strategies.append(Strategy(f"scatter-add {_describe_short(ispec)}", (tuple(op),),
                                (tuple(op), ispec, tuple(u)) + (None,) * (len(eqn.invars) - 3),
-                               cost))
+                               sum(cost_model.collective(*c) for c in comm), comm))
   return strategies
 
 
@@ -473,10 +477,9 @@ def _conv(eqn, cost_model: CostModel) -> list[Strategy]:
       continue
     shards = math.prod(sizes[a] for a, c in zip(axes, choice) if c)
     out_shards = math.prod(sizes[a] for s in o for a in s)
-    cost = cost_model.compute(flops, shards)
-    if partial:
-      cost += cost_model.all_reduce(partial, _nbytes(out) / out_shards)
-    strategies.append((all(choice), Strategy(f"conv {choice}", (o,), (l, r), cost)))
+    comm = (("all-reduce", tuple(partial), _nbytes(out) / out_shards),) if partial else ()
+    cost = cost_model.compute(flops, shards) + sum(cost_model.collective(*c) for c in comm)
+    strategies.append((all(choice), Strategy(f"conv {choice}", (o,), (l, r), cost, comm)))
   return _no_heavy_recompute(strategies)
 
 
