@@ -24,6 +24,7 @@ bench: $(STAMP)
 	$(PY) bench/overhead.py
 	$(PY) bench/accumulation.py
 	$(PY) bench/plan_time.py
+	$(PY) bench/compare_hand.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
