@@ -32,7 +32,7 @@ def parallelize(fun: Callable | None = None, *, method: m.Method | None = None,
   Args:
     fun: the step, e.g. ``train_step(state, batch) -> (state, metrics)``.
     method: a method object such as ``jaxdist.DataParallel()``; default
-      ``DataParallel()``.
+      ``ShardParallel()`` (the ILP chooses every sharding and the mesh shape).
     static_argnums: ``"auto"`` (an argument with no jax or numpy array leaves is a
       Python value and static: floats, ints, strings, None, callables; Python numbers
       *inside* an array pytree are traced) or explicit argument numbers.
@@ -70,11 +70,11 @@ class ParallelizedFunc:
 
   def __init__(self, fun, method, static_argnums, donate_argnums, batch_argnums):
     if method is None:
-      method = m.DataParallel()
+      method = m.ShardParallel()
     if not isinstance(method, m.Method):
       raise errors.InvalidArgumentError(
           f"method={method!r} is not a jaxdist method; use one of jaxdist.DataParallel(), "
-          f"jaxdist.Zero2Parallel(), jaxdist.Zero3Parallel().")
+          f"jaxdist.Zero2Parallel(), jaxdist.Zero3Parallel(), jaxdist.ShardParallel().")
     self.fun = fun
     self.method = method
     self.static_argnums = _argnums("static_argnums", static_argnums, allow_auto=True)

@@ -155,6 +155,12 @@ def test_python_values_are_static_and_other_arrays_are_inputs():
   np.testing.assert_allclose(np.asarray(w - w1), 2 * np.asarray(w - w2), rtol=1e-5, atol=1e-6)
 
 
+def test_default_method_is_shard_parallel():
+  state, batch = _mlp_setup()
+  exe = jd.parallelize(models.regression_step()).get_executable(state, batch)
+  assert exe.plan.method == "ShardParallel" and exe.plan.mesh_objectives
+
+
 def test_plan_round_trips_through_json(tmp_path):
   state, batch = _mlp_setup()
   plan = jd.parallelize(models.regression_step(), method=jd.Zero3Parallel()).get_executable(

@@ -40,7 +40,7 @@ def test_batch_that_does_not_divide_over_devices():
   batch = {k: v[:30] for k, v in batch.items()}
   with pytest.raises(errors.BatchDivisibilityError,
                      match=r"batch\['x'\].*\(30, 32\).*30.*8 devices.*multiple of 8"):
-    jd.parallelize(models.regression_step())(state, batch)
+    jd.parallelize(models.regression_step(), method=jd.DataParallel())(state, batch)
 
 
 def test_mesh_shape_must_multiply_to_device_count():
@@ -98,7 +98,7 @@ def test_errors_are_also_builtin_types():
 
 def test_reusing_a_donated_state_raises_instead_of_crashing():
   state, batch = _state()
-  step = jd.parallelize(models.regression_step())
+  step = jd.parallelize(models.regression_step(), method=jd.DataParallel())
   s1, _ = step(state, batch)
   step(s1, batch)
   with pytest.raises(errors.InvalidArgumentError, match=r"state\.step was deleted.*donated.*donate_argnums"):
