@@ -88,11 +88,6 @@ class LogicalMesh:
   def axis_size(self, name: str) -> int:
     return self.shape[self.axis_names.index(name)]
 
-  def flattened(self) -> "LogicalMesh":
-    """The same devices as a 1-D mesh; its cost is that of the slowest axis."""
-    return LogicalMesh((self.num_devices,), axis_names=("devices",),
-                       alpha=max(self.alpha), beta=max(self.beta), devices=self.devices)
-
   @classmethod
   def from_devices(cls, devices: Any) -> "LogicalMesh":
     """Builds a mesh from what a method's ``devices=`` accepts.

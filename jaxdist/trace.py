@@ -44,10 +44,6 @@ class LeafInfo:
   argnum: int
   role: str
 
-  @property
-  def nbytes(self) -> int:
-    return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
-
 
 @dataclasses.dataclass(frozen=True)
 class TracedStep:
@@ -92,9 +88,6 @@ class TracedStep:
   num_markers: int = 0
   micro_jaxpr: Any = None
   micro_marker_index: int | None = None
-
-  def leaves_with_role(self, role: str) -> list[int]:
-    return [i for i, leaf in enumerate(self.inputs) if leaf.role == role]
 
 
 def is_array(x) -> bool:

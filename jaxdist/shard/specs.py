@@ -67,8 +67,3 @@ def enumerate_specs(shape: tuple[int, ...], axis_sizes: dict[str, int],
       out.append(spec)
   out.sort(key=lambda s: (len(used_axes(s)), s))
   return out
-
-
-def describe(spec: DimAxes) -> str:
-  """Compact text: ``S0R`` style letters per dim, with the axes, e.g. ``[x,-]``."""
-  return "[" + ",".join("+".join(a) if a else "-" for a in spec) + "]"

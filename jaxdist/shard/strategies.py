@@ -213,7 +213,7 @@ def _reduction(eqn, cost_model: CostModel) -> Follow:
   return Follow(0, mapper)
 
 
-def _broadcast(eqn, sizes) -> Follow:
+def _broadcast(eqn, sizes) -> Follow | list[Strategy]:
   operand = eqn.invars[0]
   in_shape, out_shape = _shape(operand), _shape(eqn.outvars[0])
   dims = eqn.params["broadcast_dimensions"]
@@ -304,17 +304,15 @@ def _touching(eqn, sizes) -> Follow:
     touched = set(range(len(in_shape) - len(eqn.params["fft_lengths"]), len(in_shape)))
   else:
     touched = {d for d in range(len(in_shape)) if d >= len(out_shape) or in_shape[d] != out_shape[d]}
-    if name in ("dynamic_slice", "dynamic_update_slice"):
-      touched |= {d for d in range(len(in_shape))
-                  if name == "dynamic_update_slice" and _shape(eqn.invars[1])[d] != in_shape[d]}
+    if name == "dynamic_update_slice":
+      touched |= {d for d in range(len(in_shape)) if _shape(eqn.invars[1])[d] != in_shape[d]}
 
   def mapper(spec):
+    # Operands and outputs of the same rank (concatenated pieces, the update of
+    # dynamic_update_slice, sort's extra operands) share the spec, touched dims unsplit;
+    # start indices and other scalars are unconstrained.
     spec = _unsplit(spec, touched)
-    ins = tuple(spec if len(_shape(v)) == len(spec) and _shape(v) == in_shape
-                else (_unsplit(spec, touched) if len(_shape(v)) == len(spec) and name == "concatenate"
-                      else None)
-                for v in eqn.invars)
-    ins = (spec,) + ins[1:]
+    ins = tuple(spec if len(_shape(v)) == len(spec) else None for v in eqn.invars)
     outs = tuple(spec if len(_shape(v)) == len(spec) else replicated(len(_shape(v)))
                  for v in eqn.outvars)
     return Strategy(name, outs, ins)
