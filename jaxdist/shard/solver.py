@@ -18,9 +18,7 @@ import dataclasses
 import itertools
 import warnings
 
-import cvxpy as cp
 import numpy as np
-import scipy.sparse as sp
 
 from jaxdist import errors
 from jaxdist.shard.graph import StrategyGraph
@@ -97,6 +95,10 @@ def solve_ilp(graph: StrategyGraph, memory: MemoryConstraint | None = None,
   Raises:
     InfeasiblePlanError: no plan meets ``budget`` (the message gives the least peak).
   """
+  # Imported here: cvxpy takes ~1.4 s to import, which methods without an ILP never need.
+  import cvxpy as cp
+  import scipy.sparse as sp
+
   free = [g for g, n in enumerate(graph.group_sizes) if n > 1]
   if not free:
     choice = tuple(0 for _ in graph.group_sizes)
