@@ -240,3 +240,17 @@ def test_saved_example_plans_fit_their_workloads():
     plan = jd.Plan.load(os.path.join(save_plans.OUT, f"{name}.shard_parallel.json"))
     exe = jd.parallelize(step, method=jd.ShardParallel(plan=plan)).get_executable(state, batch)
     assert [e.spec for e in exe.plan.inputs] == [e.spec for e in plan.inputs], name
+
+
+def test_batch_dim_forcing_and_no_replicated_parameters():
+  data = models.regression_batch(64, 64)
+  state = models.create_state(models.MLP(hidden=64, num_layers=2), data["x"], tx=optax.sgd(0.1))
+  plan_with = lambda **kw: jd.parallelize(models.regression_step(), method=jd.ShardParallel(
+      logical_mesh_shape=(2, 4), auto_sharding_option=jd.AutoShardingOption(**kw))
+  ).get_executable(state, data).plan
+  forced = plan_with(force_batch_dim_to_mesh_dim=1)
+  assert "mesh_1" in str(forced.spec_of("batch['x']")[0])
+  sharded = plan_with(allow_replicated_parameters=False)
+  for entry in sharded.inputs:
+    if entry.role == "param":
+      assert entry.spec != P(), entry.path
