@@ -145,18 +145,19 @@ class ParallelizedFunc:
     shard_plan = None
     with recomputing(request):
       step = trace_step(self.fun, args, static, self.batch_argnums, self.donate_argnums)
+      if request is not None:
+        if step.marker_index is None:
+          raise errors.GradientMarkerError(
+              f"{self.method.name}(recompute_modules={self.method.recompute_modules!r}) is "
+              f"applied by jaxdist.grad / jaxdist.value_and_grad, and the step does not use "
+              f"them (exactly once, at its top level). Use jaxdist.value_and_grad (same "
+              f"signature).")
+        request.check_all_matched(self.method.name)
       if isinstance(self.method, m.ShardParallel):
         shard_plan = plan_shard_parallel(self.method, step, lmesh)
         step, layout = shard_plan.step, shard_plan.layout
       else:
         layout = data_parallel_layout(self.method, step, lmesh)
-      if request is not None and layout.grad_reduce_specs is None:
-        raise errors.GradientMarkerError(
-            f"{self.method.name}(recompute_modules={self.method.recompute_modules!r}) is "
-            f"applied by jaxdist.grad / jaxdist.value_and_grad, and the step does not use them "
-            f"(exactly once, at its top level). Use jaxdist.value_and_grad (same signature).")
-      if request is not None:
-        request.check_all_matched(self.method.name)
       if layout.grad_reduce_specs is not None:
         divisor = layout.num_micro_batches * math.prod(
             lmesh.axis_size(a) for a in layout.batch_axes)

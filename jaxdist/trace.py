@@ -155,7 +155,7 @@ def trace_step(fun, args: tuple, static_argnums: tuple[int, ...], batch_argnums:
   out_avals = tuple(v.aval for v in closed.jaxpr.outvars)
   sigs = [leaf_signature(x) for x in leaves]
 
-  output_source, state_argnums = _match_state(args, dyn_argnums, in_tree, sigs, argnum_of_leaf,
+  output_source, state_argnums = _match_state(args, dyn_argnums, sigs, argnum_of_leaf,
                                               out_tree, out_avals, batch_argnums)
   if donate_argnums == "auto":
     donated = tuple(sorted(state_argnums))
@@ -236,8 +236,7 @@ def with_micro_batch_trace(fun, args, static_argnums: tuple[int, ...], step: Tra
   return dataclasses.replace(step, micro_jaxpr=closed, micro_marker_index=marker_index)
 
 
-def _match_state(args, dyn_argnums, in_tree, sigs, argnum_of_leaf, out_tree, out_avals,
-                 batch_argnums):
+def _match_state(args, dyn_argnums, sigs, argnum_of_leaf, out_tree, out_avals, batch_argnums):
   """Finds outputs that are updated values of non-batch arguments.
 
   An argument is updated state if the whole output, or one top-level element of a
@@ -251,17 +250,13 @@ def _match_state(args, dyn_argnums, in_tree, sigs, argnum_of_leaf, out_tree, out
     candidates += list(dummy)
   elif isinstance(dummy, dict):
     candidates += list(dummy.values())
-  first_leaf = {}
-  for k, a in enumerate(argnum_of_leaf):
-    first_leaf.setdefault(a, k)
-
   output_source = [None] * len(out_avals)
   used, state = set(), set()
   for a in dyn_argnums:
-    if a in batch_argnums or a not in first_leaf:
+    arg_leaf_ids = [k for k, b in enumerate(argnum_of_leaf) if b == a]
+    if a in batch_argnums or not arg_leaf_ids:
       continue
     arg_tree = tree_util.tree_structure(args[a])
-    arg_leaf_ids = [k for k, b in enumerate(argnum_of_leaf) if b == a]
     for c, cand in enumerate(candidates):
       if c in used:
         continue

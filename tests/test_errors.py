@@ -1,7 +1,6 @@
 """Bad input raises a typed error before compute, naming argument, value and remedy."""
 
 import jax
-import jax.numpy as jnp
 import optax
 import pytest
 

@@ -50,3 +50,11 @@ def test_recompute_needs_jaxdist_grad():
 def test_recompute_modules_must_name_something(bad):
   with pytest.raises(errors.InvalidArgumentError, match="recompute_modules"):
     jd.DataParallel(recompute_modules=bad)
+
+
+def test_recompute_works_under_shard_parallel():
+  make, batch = _gpt(depth=2)
+  expected = jax.jit(models.lm_step())(make(), batch)
+  step = jd.parallelize(models.lm_step(jd.value_and_grad),
+                        method=jd.ShardParallel(logical_mesh_shape=(8,), recompute_modules="Block"))
+  assert_trees_close(step(make(), batch), expected, rtol=1e-5, atol=1e-6)

@@ -136,8 +136,9 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep,
           f"ShardParallel(logical_mesh_shape={shape}) multiplies to {math.prod(shape)}, but "
           f"there are {base.num_devices} devices; use a shape whose product is "
           f"{base.num_devices}.")
+  # The gradient marker is inlined away with the calls: the planned step has none.
   inlined = jaxpr_util.inline_calls(step.closed_jaxpr, PLAN_INLINE)
-  step = dataclasses.replace(step, closed_jaxpr=inlined)
+  step = dataclasses.replace(step, closed_jaxpr=inlined, marker_index=None, num_markers=0)
   plans, objectives, infeasible = [], {}, []
   for shape in shapes:
     lmesh = mesh_for(shape, base, method.plan.axis_names if method.plan is not None else None)
