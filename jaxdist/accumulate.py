@@ -16,11 +16,18 @@ The traced step is split at the gradient marker (``jaxdist.grad``):
 - the *apply part*, the equations that produce the step's outputs from the marked
   values (the optimizer update), runs as ordinary sharded code with the reduced
   values substituted for the marker's outputs.
+
+Under ShardParallel the plan's sharding constraints are applied on both sides: inside
+the ``shard_map`` (which is manual only over the batch axes) each constraint loses its
+batch axes and keeps the model axes, mapped onto the micro-batch trace equation by
+equation. Without batch axes (a plan that does not split the batch) there is no
+``shard_map``: the loop runs as ordinary sharded code and nothing is reduced by hand.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import warnings
 
@@ -30,6 +37,7 @@ from jax.sharding import PartitionSpec
 
 from jaxdist import errors
 from jaxdist import jaxpr_util
+from jaxdist.shard.specs import from_partition_spec, to_partition_spec
 from jaxdist.trace import BATCH, TracedStep
 
 
@@ -90,8 +98,46 @@ def split_at_marker(step: TracedStep) -> GradSplit:
                    tuple(jaxpr_util.free_invars(grad_closed.jaxpr, grad_eqns)))
 
 
+def local_constraints(step: TracedStep, split: GradSplit, eqn_constraints: dict,
+                      batch_axes: tuple[str, ...], axis_sizes: dict[str, int]) -> dict:
+  """The plan's constraints on the gradient part, for one device's micro-batch shard.
+
+  ``eqn_constraints`` index the step's jaxpr; the gradient part runs the micro-batch
+  trace: the same code at another batch size, so its equations line up with the
+  planned ones except where jax special-cases a size-1 dimension (a broadcast more or
+  less). The two are aligned by their primitive sequence; an equation without a
+  counterpart is left to XLA. Batch axes are dropped (they are manual inside the
+  ``shard_map``), and so is an axis that does not divide the micro-batch dimension.
+  """
+  full, micro = step.closed_jaxpr.jaxpr.eqns, split.grad_jaxpr.jaxpr.eqns
+  matcher = difflib.SequenceMatcher(None, [e.primitive.name for e in full],
+                                    [e.primitive.name for e in micro], autojunk=False)
+  to_full = {}
+  for a, b, n in matcher.get_matching_blocks():
+    to_full.update(zip(range(b, b + n), range(a, a + n)))
+  out = {}
+  for i in split.grad_eqns:
+    j = to_full.get(i)
+    if j not in eqn_constraints or len(full[j].outvars) != len(micro[i].outvars):
+      continue
+    specs = []
+    for pspec, v in zip(eqn_constraints[j], micro[i].outvars):
+      shape = tuple(getattr(v.aval, "shape", ()))
+      if len(pspec) > len(shape):
+        break
+      local = [tuple(a for a in axes if a not in batch_axes)
+               for axes in from_partition_spec(pspec, len(shape))]
+      local = [axes if shape[d] % math.prod(axis_sizes[a] for a in axes) == 0 else ()
+               for d, axes in enumerate(local)]
+      specs.append(to_partition_spec(tuple(local)))
+    else:
+      out[i] = tuple(specs)
+  return out
+
+
 def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro_batches: int,
-                  reduce_specs: tuple[PartitionSpec | None, ...]):
+                  reduce_specs: tuple[PartitionSpec | None, ...],
+                  eqn_constraints: dict | None = None):
   """The step as a function of flat input leaves, gradients accumulated and reduced once.
 
   Args:
@@ -103,6 +149,7 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
     reduce_specs: per marker output, None for a replicated result (psum), or the
       sharded spec of a reduce-scatter (exactly one dimension split over
       ``batch_axes``).
+    eqn_constraints: the shard plan's constraints (equation index → specs), or None.
   """
   split = split_at_marker(step)
   closed = step.closed_jaxpr
@@ -111,13 +158,18 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
   grad_marker_eqn = grad_jaxpr.eqns[split.grad_marker]
   num_shards = math.prod(mesh.shape[a] for a in batch_axes)
   k = num_micro_batches
-  axes = batch_axes if len(batch_axes) > 1 else batch_axes[0]
+  axes = batch_axes if len(batch_axes) > 1 else batch_axes[0] if batch_axes else None
   is_batch = [step.inputs[i].role == BATCH for i in split.grad_inputs]
+  grad_after = apply_after = None
+  if eqn_constraints:
+    apply_after = jaxpr_util.constraint_hook(mesh, eqn_constraints)
+    grad_after = jaxpr_util.constraint_hook(
+        None if batch_axes else mesh, local_constraints(step, split, eqn_constraints, batch_axes, dict(mesh.shape)))
 
   def grads_one(values):
     env = dict(zip(grad_jaxpr.constvars, split.grad_jaxpr.consts))
     env.update((grad_jaxpr.invars[i], x) for i, x in zip(split.grad_inputs, values))
-    jaxpr_util.eval_eqns(grad_jaxpr, env, split.grad_eqns)
+    jaxpr_util.eval_eqns(grad_jaxpr, env, split.grad_eqns, after=grad_after)
     return [jaxpr_util.read(env, v) for v in grad_marker_eqn.invars]
 
   def local(*values):
@@ -137,7 +189,9 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
     for x, spec in zip(sums, reduce_specs):
       if jnp.issubdtype(x.dtype, jnp.inexact):
         x = x / (k * num_shards)
-      if spec is None:
+      if axes is None:
+        reduced.append(x)
+      elif spec is None:
         reduced.append(jax.lax.psum(x, axes))
       else:
         dim = next(d for d, entry in enumerate(spec) if entry is not None)
@@ -148,15 +202,16 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
   out_specs = tuple(PartitionSpec() if s is None else s for s in reduce_specs)
   # check_vma=False: the re-bound equations mix per-device and replicated operands
   # without the casts jnp code would insert; every output is reduced explicitly above.
-  region = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                         axis_names=set(batch_axes), check_vma=False)
+  region = local if axes is None else jax.shard_map(
+      local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(batch_axes),
+      check_vma=False)
 
   def run(*leaves):
     marked = region(*[leaves[i] for i in split.grad_inputs])
     env = dict(zip(jaxpr.constvars, closed.consts))
     env.update(zip(jaxpr.invars, leaves))
     jaxpr_util.eval_eqns(jaxpr, env, split.apply_eqns | {split.marker},
-                         substitute={split.marker: marked})
+                         substitute={split.marker: marked}, after=apply_after)
     return [jaxpr_util.read(env, v) for v in jaxpr.outvars]
 
   return run

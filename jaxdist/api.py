@@ -10,6 +10,7 @@ from typing import Any
 from jax import tree_util
 
 from jaxdist import errors
+from jaxdist import jaxpr_util
 from jaxdist import methods as m
 from jaxdist.executable import Executable, compile_layout, make_plan
 from jaxdist.layouts import data_parallel_layout
@@ -160,9 +161,11 @@ class ParallelizedFunc:
         layout = data_parallel_layout(self.method, step, lmesh)
       if layout.grad_reduce_specs is not None:
         divisor = layout.num_micro_batches * math.prod(
-            lmesh.axis_size(a) for a in layout.batch_axes)
+            layout.logical_mesh.axis_size(a) for a in layout.batch_axes)
         if divisor > 1:
-          step = with_micro_batch_trace(self.fun, args, static, step, divisor)
+          # The shard plan's equations are those of the call-inlined trace.
+          inline = jaxpr_util.PLAN_CALLS if shard_plan is not None else ()
+          step = with_micro_batch_trace(self.fun, args, static, step, divisor, inline)
     compiled = compile_layout(step, layout)
     plan = make_plan(self.method.name, step, layout, shard_plan)
     dyn_argnums = tuple(i for i in range(len(args)) if i not in static)

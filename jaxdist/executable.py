@@ -149,13 +149,13 @@ def compile_layout(step: TracedStep, layout: Layout):
   in_shardings = tuple(NamedSharding(mesh, s) for s in layout.in_specs)
   out_shardings = tuple(NamedSharding(mesh, s) for s in layout.out_specs)
   donated = {k for k, leaf in enumerate(step.inputs) if leaf.argnum in step.donated_argnums}
-  if layout.eqn_constraints:
-    flat_fun = constrained_fn(step.closed_jaxpr, mesh, layout.eqn_constraints)
-  elif layout.grad_reduce_specs is None:
-    flat_fun = jax.extend.core.jaxpr_as_fun(step.closed_jaxpr)
-  else:
+  if layout.grad_reduce_specs is not None:
     flat_fun = split_step_fn(step, mesh, layout.batch_axes, layout.num_micro_batches,
-                             layout.grad_reduce_specs)
+                             layout.grad_reduce_specs, layout.eqn_constraints)
+  elif layout.eqn_constraints:
+    flat_fun = constrained_fn(step.closed_jaxpr, mesh, layout.eqn_constraints)
+  else:
+    flat_fun = jax.extend.core.jaxpr_as_fun(step.closed_jaxpr)
   constraints = [None if c is None else NamedSharding(mesh, c) for c in layout.out_constraints]
 
   def run(*leaves):
@@ -172,12 +172,7 @@ def compile_layout(step: TracedStep, layout: Layout):
 
 def constrained_fn(closed, mesh, eqn_constraints):
   """Evaluates ``closed`` with ``with_sharding_constraint`` on the chosen equations' outputs."""
-  shardings = {i: [NamedSharding(mesh, s) for s in specs] for i, specs in eqn_constraints.items()}
-
-  def after(i, outs):
-    if i not in shardings:
-      return outs
-    return [jax.lax.with_sharding_constraint(o, s) for o, s in zip(outs, shardings[i])]
+  after = jaxpr_util.constraint_hook(mesh, eqn_constraints)
 
   def run(*leaves):
     env = dict(zip(closed.jaxpr.constvars, closed.consts))

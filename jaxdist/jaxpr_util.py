@@ -11,6 +11,9 @@ import jax.extend.core as jex
 IDENTITY_MARKER = "jaxdist_grad_marker"
 # Call-like primitives whose body is inlined when a jaxpr is flattened.
 CALLS = ("jit", "pjit", "closed_call", "core_call")
+# What the shard planner inlines: after differentiation a custom_jvp/custom_vjp call is
+# just its primal function.
+PLAN_CALLS = CALLS + ("custom_jvp_call", "custom_vjp_call")
 
 
 def read(env, v):
@@ -62,6 +65,24 @@ def eval_eqns(jaxpr, env: dict, eqn_ids: Iterable[int] | None = None,
       if not isinstance(v, jex.DropVar):
         env[v] = x
   return env
+
+
+def constraint_hook(mesh, eqn_constraints: dict) -> Callable:
+  """An ``after`` hook for :func:`eval_eqns` that puts the outputs of the equations in
+  ``eqn_constraints`` (index → one ``PartitionSpec`` per output) in those shardings.
+
+  ``mesh=None`` leaves the specs bare, for the mesh in context: inside a ``shard_map``
+  that is the abstract mesh whose manual axes the specs must not name.
+  """
+  shardings = {i: [s if mesh is None else jax.sharding.NamedSharding(mesh, s) for s in specs]
+               for i, specs in eqn_constraints.items()}
+
+  def after(i, outs):
+    if i not in shardings:
+      return outs
+    return [jax.lax.with_sharding_constraint(o, s) for o, s in zip(outs, shardings[i])]
+
+  return after
 
 
 def _call_body(eqn):

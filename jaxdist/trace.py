@@ -226,14 +226,27 @@ def _trace_flat(fun, args, dyn_argnums, in_tree, flat_args):
 
 
 def with_micro_batch_trace(fun, args, static_argnums: tuple[int, ...], step: TracedStep,
-                           divisor: int) -> TracedStep:
-  """``step`` plus the trace of ``fun`` on batch leaves of dim 0 / ``divisor``."""
+                           divisor: int, inline: tuple[str, ...] = ()) -> TracedStep:
+  """``step`` plus the trace of ``fun`` on batch leaves of dim 0 / ``divisor``.
+
+  ``inline``: call primitives to inline in the micro-batch trace, so that its equations
+  line up with a step whose jaxpr was inlined the same way (the shard planner's).
+  """
   dyn_argnums = tuple(i for i in range(len(args)) if i not in static_argnums)
   leaves = tree_util.tree_leaves(tuple(args[i] for i in dyn_argnums))
   flat = [jax.ShapeDtypeStruct((info.shape[0] // divisor,) + info.shape[1:], info.dtype)
           if info.role == BATCH else x for x, info in zip(leaves, step.inputs)]
   closed, _, _, marker_index, _ = _trace_flat(fun, args, dyn_argnums, step.in_tree, flat)
+  if inline:
+    closed, marker_index = inline_keeping_marker(closed, inline)
   return dataclasses.replace(step, micro_jaxpr=closed, micro_marker_index=marker_index)
+
+
+def inline_keeping_marker(closed, inline: tuple[str, ...]):
+  """``closed`` with ``inline`` calls inlined; returns it and its single marker's index."""
+  closed = jaxpr_util.inline_calls(closed, inline)
+  found = jaxpr_util.find_eqns(closed.jaxpr, grad_marker_p.name)
+  return closed, (found[0] if len(found) == 1 else None)
 
 
 def _match_state(args, dyn_argnums, sigs, argnum_of_leaf, out_tree, out_avals, batch_argnums):

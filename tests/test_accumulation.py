@@ -67,6 +67,37 @@ def test_gradients_are_reduced_once_per_step(method_cls):
     assert wire[4]["reduce-scatter"] == pytest.approx(7 / 8 * param_bytes, rel=0.01)
 
 
+@pytest.mark.parametrize("setup,step_fn,mesh_shape", [
+    (_mlp_setup, models.regression_step, None),       # mesh shape searched
+    (_gpt_setup, models.lm_step, (2, 4)),             # model axis auto inside the loop
+], ids=["mlp", "gpt-2x4"])
+def test_shard_parallel_four_micro_batches_equal_the_full_batch_step(setup, step_fn, mesh_shape):
+  make, batch = setup()
+  expected = _two_steps(jax.jit(step_fn()), make(), batch)
+  step = jd.parallelize(step_fn(jd.value_and_grad), method=jd.ShardParallel(
+      num_micro_batches=4, logical_mesh_shape=mesh_shape))
+  actual = _two_steps(step, make(), batch)
+  assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6)
+  exe = step.get_executable(make(), batch)
+  assert exe.plan.num_micro_batches == 4
+  batch_spec = next(e.spec for e in exe.plan.inputs if e.role == "batch")
+  assert batch_spec[0] is not None  # micro-batches run over the axes splitting the batch
+
+
+def test_shard_parallel_reduces_gradients_once_per_step():
+  make, batch = _gpt_setup()
+  wire, comm = {}, {}
+  for k in (1, 4):
+    step = jd.parallelize(models.lm_step(jd.value_and_grad),
+                          method=jd.ShardParallel(num_micro_batches=k, logical_mesh_shape=(8,)))
+    comm[k] = step.get_executable(make(), batch).communication()
+    wire[k] = sum(s.wire_bytes for kind, s in comm[k].items()
+                  if kind in ("all-reduce", "reduce-scatter"))
+  param_bytes = sum(x.nbytes for x in jax.tree.leaves(make().params))
+  assert wire[1] >= 7 / 8 * param_bytes  # the gradients do cross devices
+  assert wire[4] <= 1.1 * wire[1], comm
+
+
 def test_only_one_micro_batch_of_activations_is_live():
   make, batch = _gpt_setup(batch_size=64, depth=2, width=32, seq_len=64)
   temp = {}

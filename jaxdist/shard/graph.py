@@ -16,6 +16,7 @@ import jax.extend.core as jex
 import numpy as np
 
 from jaxdist import errors
+from jaxdist.jaxpr_util import IDENTITY_MARKER
 from jaxdist.shard.cost import CostModel
 from jaxdist.shard.specs import DimAxes, num_shards, replicated
 from jaxdist.shard.strategies import Follow, Strategy, input_strategies, nbytes, rule_for
@@ -114,6 +115,12 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
     producer[v] = (new_node(f"input {k}", strategies, input_index=k), 0)
 
   for eqn in jaxpr.eqns:
+    if eqn.primitive.name == IDENTITY_MARKER:
+      # jaxdist.grad's marker is an identity: its outputs are its operands.
+      for v_in, v_out in zip(eqn.invars, eqn.outvars):
+        if _has_producer(v_in, producer):
+          producer[v_out] = producer[v_in]
+      continue
     rule = rule_for(eqn, cost_model, lambda v: _has_producer(v, producer),
                     lambda v: group_sizes[nodes[producer[v][0]].group])
     if rule is None or (isinstance(rule, list) and not rule):

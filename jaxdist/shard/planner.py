@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec
 from jaxdist import errors
 from jaxdist import jaxpr_util
 from jaxdist import methods as m
-from jaxdist.layouts import Layout
+from jaxdist.layouts import Layout, check_batch_divisible, uses_marker
 from jaxdist.mesh import LogicalMesh
 from jaxdist.shard.cost import CostModel
 from jaxdist.shard.graph import StrategyGraph, build_graph
@@ -28,14 +28,9 @@ from jaxdist.shard.solver import MemoryConstraint, Solution, solve_ilp
 from jaxdist.shard.specs import (DimAxes, divides, enumerate_specs, from_partition_spec,
                                  num_shards, to_partition_spec)
 from jaxdist.shard.strategies import nbytes
-from jaxdist.trace import BATCH, OPTIMIZER, PARAM, TracedStep
+from jaxdist.trace import BATCH, OPTIMIZER, PARAM, TracedStep, inline_keeping_marker
 
 MEMORY_CHECK_POINTS = 8
-# Primitives whose bodies are evaluated inline when planning (after differentiation a
-# custom_jvp/custom_vjp call is just its primal function; the gradient marker is an
-# identity).
-PLAN_INLINE = jaxpr_util.CALLS + ("custom_jvp_call", "custom_vjp_call",
-                                  jaxpr_util.IDENTITY_MARKER)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,11 +112,9 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep,
                         base: LogicalMesh) -> ShardPlanResult:
   """Searches the mesh shapes (or applies a saved plan) and returns the cheapest plan."""
   opt = method.options
-  if (method.num_micro_batches or 1) > 1:
-    raise errors.InvalidArgumentError(
-        f"ShardParallel(num_micro_batches={method.num_micro_batches}): gradient accumulation is "
-        f"not implemented for ShardParallel yet; use DataParallel / Zero2Parallel / "
-        f"Zero3Parallel with num_micro_batches, or ShardParallel with num_micro_batches=None.")
+  k = method.num_micro_batches or 1
+  if k > 1:
+    check_batch_divisible(step, k, f"num_micro_batches={k}")
   pinned = None
   if method.plan is not None:
     pinned = pinned_by_plan(method.plan, step)
@@ -136,14 +129,17 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep,
           f"ShardParallel(logical_mesh_shape={shape}) multiplies to {math.prod(shape)}, but "
           f"there are {base.num_devices} devices; use a shape whose product is "
           f"{base.num_devices}.")
-  # The gradient marker is inlined away with the calls: the planned step has none.
-  inlined = jaxpr_util.inline_calls(step.closed_jaxpr, PLAN_INLINE)
-  step = dataclasses.replace(step, closed_jaxpr=inlined, marker_index=None, num_markers=0)
+  # Calls are inlined; jaxdist.grad's marker stays (the strategy graph sees through it)
+  # so that gradient accumulation can split the planned step there.
+  inlined, marker = inline_keeping_marker(step.closed_jaxpr, jaxpr_util.PLAN_CALLS)
+  step = dataclasses.replace(step, closed_jaxpr=inlined, marker_index=marker)
+  if k > 1:
+    uses_marker(method, step)  # raises unless there is one top-level marker
   plans, objectives, infeasible = [], {}, []
   for shape in shapes:
     lmesh = mesh_for(shape, base, method.plan.axis_names if method.plan is not None else None)
     try:
-      plan = _plan_one(step, lmesh, opt, pinned)
+      plan = _plan_one(step, lmesh, opt, pinned, k)
     except errors.InfeasiblePlanError as e:
       infeasible.append(e)
       continue
@@ -157,12 +153,12 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep,
     entry = predicted.setdefault(kind, {"count": 0, "result_bytes": 0.0})
     entry["count"] += 1
     entry["result_bytes"] += nbytes_
-  return ShardPlanResult(step, layout_of(step, best), best.solution.objective, objectives,
+  return ShardPlanResult(step, layout_of(step, best, k), best.solution.objective, objectives,
                          predicted)
 
 
 def _input_choices(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
-                   pinned: dict[int, DimAxes] | None = None):
+                   pinned: dict[int, DimAxes] | None = None, num_micro_batches: int = 1):
   sizes = dict(zip(lmesh.axis_names, lmesh.shape))
   if pinned is not None:
     return {k: [spec] for k, spec in pinned.items()}
@@ -185,6 +181,20 @@ def _input_choices(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOpti
       elif opt.force_batch_dim_to_mesh_dim is not None:
         axis = names[opt.force_batch_dim_to_mesh_dim]
         specs = [s for s in specs if s and axis in s[0]] or specs
+      if num_micro_batches > 1:
+        # Each device's share of the batch must split into the micro-batches.
+        fitting = [s for s in specs
+                   if leaf.shape[0] % (num_shards(s[:1], sizes) * num_micro_batches) == 0]
+        if not fitting:
+          raise errors.BatchDivisibilityError(
+              f"batch argument leaf {leaf.path} has shape {leaf.shape}: on mesh {lmesh.shape} no "
+              f"allowed split of dim 0 leaves each device a multiple of num_micro_batches="
+              f"{num_micro_batches} examples; use a batch size that is a multiple of "
+              f"{num_micro_batches * lmesh.num_devices}.")
+        # Micro-batches run in a shard_map over the mesh axes splitting dim 0, with
+        # gradients reduced once after the loop; an unsplit batch would leave the
+        # reductions to XLA inside the loop, once per micro-batch.
+        specs = [s for s in fitting if s[0]] or fitting
     elif leaf.role in (PARAM, OPTIMIZER):
       if opt.force_data_parallel:
         specs = [s for s in specs if not any(s)]
@@ -230,12 +240,13 @@ def _validated_constraint(pattern, pspec, leaf, lmesh) -> DimAxes:
 
 
 def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
-              pinned: dict[int, DimAxes] | None = None) -> MeshPlan:
+              pinned: dict[int, DimAxes] | None = None, num_micro_batches: int = 1) -> MeshPlan:
   jaxpr = step.closed_jaxpr.jaxpr
   cost_model = CostModel(lmesh, allow_all_gather=opt.allow_all_gather,
                          allow_all_to_all=opt.allow_all_to_all)
   tied = {o: i for o, i in enumerate(step.output_source) if i is not None}
-  graph = build_graph(jaxpr, cost_model, _input_choices(step, lmesh, opt, pinned), tied)
+  graph = build_graph(jaxpr, cost_model,
+                      _input_choices(step, lmesh, opt, pinned, num_micro_batches), tied)
   memory = None
   if opt.memory_budget_per_device is not None:
     memory = memory_constraint(jaxpr, graph, step, lmesh)
@@ -249,21 +260,27 @@ def memory_constraint(jaxpr, graph: StrategyGraph, step: TracedStep,
   """Per-device bytes at the heaviest liveness points, linear in the choices."""
   sizes = dict(zip(lmesh.axis_names, lmesh.shape))
   n_eqns = len(jaxpr.eqns)
+  # The gradient marker's outputs are its operands (one buffer each).
+  alias = {}
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == jaxpr_util.IDENTITY_MARKER:
+      alias.update((o, i) for i, o in zip(eqn.invars, eqn.outvars) if not isinstance(i, jex.Literal))
   last_use = {}
   for i, eqn in enumerate(jaxpr.eqns):
     for v in eqn.invars:
       if not isinstance(v, jex.Literal):
-        last_use[v] = i
+        last_use[alias.get(v, v)] = i
   for v in jaxpr.outvars:
     if not isinstance(v, jex.Literal):
-      last_use[v] = n_eqns
-  donated_outputs = {jaxpr.outvars[o] for o, i in enumerate(step.output_source) if i is not None}
+      last_use[alias.get(v, v)] = n_eqns
+  donated_outputs = {alias.get(jaxpr.outvars[o], jaxpr.outvars[o])
+                     for o, i in enumerate(step.output_source) if i is not None}
   intervals = []  # (var, start, end)
   for v in jaxpr.invars:
     intervals.append((v, -1, n_eqns))
   for i, eqn in enumerate(jaxpr.eqns):
     for v in eqn.outvars:
-      if isinstance(v, jex.DropVar) or v in donated_outputs:
+      if isinstance(v, jex.DropVar) or v in donated_outputs or v in alias:
         continue  # a donated output reuses its input's buffer
       intervals.append((v, i, last_use.get(v, i)))
   live = np.zeros(n_eqns + 1)
@@ -289,8 +306,13 @@ def memory_constraint(jaxpr, graph: StrategyGraph, step: TracedStep,
   return MemoryConstraint(tuple(per_group), tuple(constant))
 
 
-def layout_of(step: TracedStep, plan: MeshPlan) -> Layout:
-  """Turns a solved plan into the Layout the compiler applies."""
+def layout_of(step: TracedStep, plan: MeshPlan, num_micro_batches: int = 1) -> Layout:
+  """Turns a solved plan into the Layout the compiler applies.
+
+  With ``num_micro_batches > 1`` the batch axes are the mesh axes splitting the
+  largest batch leaf's dim 0, and each gradient is reduce-scattered over them where
+  the plan splits one of its dims over them first (all-reduced otherwise).
+  """
   jaxpr = step.closed_jaxpr.jaxpr
   graph, choice = plan.graph, plan.solution.choice
   in_specs = tuple(to_partition_spec(s) for s in plan.input_specs)
@@ -313,6 +335,39 @@ def layout_of(step: TracedStep, plan: MeshPlan) -> Layout:
       continue
     strategy = node.strategies[choice[node.group]]
     constraints[eqn_index[id(node.eqn)]] = tuple(to_partition_spec(s) for s in strategy.out_specs)
+  batch_axes, reduce_specs = plan.lmesh.axis_names, None
+  if num_micro_batches > 1:
+    batch_axes = _batch_axes(step, plan.input_specs)
+    sizes = dict(zip(plan.lmesh.axis_names, plan.lmesh.shape))
+    check_batch_divisible(step, num_micro_batches * math.prod(sizes[a] for a in batch_axes),
+                          f"num_micro_batches={num_micro_batches} x the batch shards of the plan")
+    marker = jaxpr.eqns[step.marker_index]
+    reduce_specs = tuple(
+        _reduce_spec(graph.spec_of(v, choice), batch_axes) if _produced(v, graph) else None
+        for v in marker.invars)
   return Layout(plan.lmesh, in_specs, tuple(out_specs), (None,) * len(out_specs),
-                num_micro_batches=1, batch_axes=plan.lmesh.axis_names,
-                eqn_constraints=constraints)
+                num_micro_batches=num_micro_batches, batch_axes=batch_axes,
+                grad_reduce_specs=reduce_specs, eqn_constraints=constraints)
+
+
+def _produced(v, graph: StrategyGraph) -> bool:
+  return not isinstance(v, jex.Literal) and v in graph.producer
+
+
+def _batch_axes(step: TracedStep, input_specs: tuple[DimAxes, ...]) -> tuple[str, ...]:
+  """The mesh axes splitting dim 0 of the largest batch leaf (micro-batches run over them)."""
+  batch = [(math.prod(leaf.shape), k) for k, leaf in enumerate(step.inputs)
+           if leaf.role == BATCH and leaf.shape]
+  if not batch:
+    return ()
+  return tuple(input_specs[max(batch)[1]][0])
+
+
+def _reduce_spec(spec: DimAxes, batch_axes: tuple[str, ...]) -> PartitionSpec | None:
+  """The reduce-scatter result spec for a gradient planned as ``spec``, or None (psum)."""
+  if not batch_axes:
+    return None
+  for d, axes in enumerate(spec):
+    if axes[:len(batch_axes)] == batch_axes:
+      return PartitionSpec(*([None] * d), batch_axes if len(batch_axes) > 1 else batch_axes[0])
+  return None
