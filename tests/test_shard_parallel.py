@@ -255,3 +255,47 @@ def test_batch_dim_forcing_and_no_replicated_parameters():
   for entry in sharded.inputs:
     if entry.role == "param":
       assert entry.spec != P(), entry.path
+
+
+def test_identical_blocks_share_one_solution(monkeypatch):
+  from jaxdist.shard import planner
+  sizes, real = {}, planner.solve_ilp
+
+  def spy(graph, memory=None, budget=None, time_limit_s=None, ties=None):
+    free = [g for g, n in enumerate(graph.group_sizes) if n > 1]
+    sizes[depth] = (len(free), len({ties[g] for g in free}))
+    return real(graph, memory, budget, time_limit_s, ties)
+
+  monkeypatch.setattr(planner, "solve_ilp", spy)
+  for depth in (2, 4):
+    config = models.GPTConfig(vocab=256, width=64, heads=4, depth=depth, seq_len=32)
+    batch = models.token_batch(16, config)
+    state = models.create_state(models.GPT(config), batch["tokens"][:, :-1], tx=optax.adam(1e-3))
+    exe = jd.parallelize(models.lm_step(), method=jd.ShardParallel(
+        logical_mesh_shape=(2, 4))).get_executable(state, batch)
+    per_leaf = {}
+    for e in exe.plan.inputs:
+      if "['block_" in e.path:  # the same leaf of every block: one spec
+        per_leaf.setdefault(e.path.split("['block_")[1].split("]", 1)[1], set()).add(e.spec)
+    assert per_leaf and all(len(specs) == 1 for specs in per_leaf.values()), per_leaf
+  (groups2, classes2), (groups4, classes4) = sizes[2], sizes[4]
+  # Two more blocks add ~90 choice groups to the graph but only a few to the ILP.
+  assert groups4 - groups2 > 100
+  assert classes4 - classes2 <= 0.15 * (groups4 - groups2), sizes
+
+
+def test_find_repeats_finds_tandem_copies():
+  from jaxdist.shard.repeats import Repeat, find_repeats
+  ops = [jnp.sin, jnp.cos, jnp.tanh, jnp.exp, jnp.abs, jnp.square, jnp.negative, jnp.floor]
+  layer = [ops[i] for i in np.random.default_rng(0).integers(0, len(ops), 60)]
+
+  def f(x):
+    x = x + 1.0
+    for _ in range(3):
+      for op in layer:
+        x = op(x)
+    return jnp.sum(x)
+
+  eqns = jax.make_jaxpr(f)(jnp.ones(4)).jaxpr.eqns
+  assert find_repeats(eqns, min_period=48) == [Repeat(start=1, period=60, copies=3)]
+  assert find_repeats(eqns, min_period=61) == []

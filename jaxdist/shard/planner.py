@@ -24,6 +24,7 @@ from jaxdist.layouts import Layout, check_batch_divisible, uses_marker
 from jaxdist.mesh import LogicalMesh
 from jaxdist.shard.cost import CostModel
 from jaxdist.shard.graph import StrategyGraph, build_graph
+from jaxdist.shard.repeats import tie_groups
 from jaxdist.shard.solver import MemoryConstraint, Solution, solve_ilp
 from jaxdist.shard.specs import (DimAxes, divides, enumerate_specs, from_partition_spec,
                                  num_shards, to_partition_spec)
@@ -250,7 +251,9 @@ def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
   memory = None
   if opt.memory_budget_per_device is not None:
     memory = memory_constraint(jaxpr, graph, step, lmesh)
-  solution = solve_ilp(graph, memory, opt.memory_budget_per_device, opt.solver_time_limit_s)
+  ties = tie_groups(jaxpr, graph) if opt.share_repeated_layers else None
+  solution = solve_ilp(graph, memory, opt.memory_budget_per_device, opt.solver_time_limit_s,
+                       ties)
   input_specs = tuple(graph.spec_of(v, solution.choice) for v in jaxpr.invars)
   return MeshPlan(lmesh, graph, solution, input_specs, cost_model)
 

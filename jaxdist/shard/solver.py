@@ -84,9 +84,47 @@ def solve_brute_force(graph: StrategyGraph, memory: MemoryConstraint | None = No
   return Solution(tuple(best[0]), best[1], "optimal")
 
 
+def tie(graph: StrategyGraph, memory: MemoryConstraint | None,
+        rep: list[int]) -> tuple[StrategyGraph, MemoryConstraint | None, list[int]]:
+  """The problem over one group per class of tied groups (``rep[g]``: g's representative).
+
+  Costs and memory of tied groups add up; an edge between two groups of one class
+  takes the same choice on both ends, so only its diagonal remains, as a group cost.
+  Returns the reduced graph and memory, and per original group its reduced index.
+  """
+  reps = sorted(set(rep))
+  index = {g: k for k, g in enumerate(reps)}
+  of = [index[rep[g]] for g in range(len(rep))]
+  sizes = [graph.group_sizes[g] for g in reps]
+  costs = [np.zeros(n) for n in sizes]
+  for g, c in enumerate(graph.group_costs):
+    costs[of[g]] += c
+  edges: dict[tuple[int, int], np.ndarray] = {}
+  for (g, h), m in graph.edge_costs.items():
+    a, b = of[g], of[h]
+    if a == b:
+      costs[a] += np.diag(m)
+    else:
+      edges[a, b] = edges[a, b] + m if (a, b) in edges else m
+  reduced = StrategyGraph([], sizes, costs, edges, {}, ())
+  if memory is not None:
+    per_group = []
+    for groups in memory.per_group:
+      merged: dict[int, np.ndarray] = {}
+      for g, v in groups.items():
+        merged[of[g]] = merged.get(of[g], 0) + v
+      per_group.append(merged)
+    memory = MemoryConstraint(tuple(per_group), memory.constant)
+  return reduced, memory, of
+
+
 def solve_ilp(graph: StrategyGraph, memory: MemoryConstraint | None = None,
-              budget: float | None = None, time_limit_s: float | None = None) -> Solution:
+              budget: float | None = None, time_limit_s: float | None = None,
+              ties: list[int] | None = None) -> Solution:
   """Solves the ILP; on a time limit returns the best plan found, with a warning.
+
+  ``ties``: per group, the group whose choice it must take (``repeats.tie_groups``);
+  the ILP is then solved over one group per class.
 
   The model is stated with one boolean vector ``x`` (every free group's one-hot, side
   by side), one vector ``e`` (every edge matrix, flattened) and sparse constraint
@@ -95,6 +133,11 @@ def solve_ilp(graph: StrategyGraph, memory: MemoryConstraint | None = None,
   Raises:
     InfeasiblePlanError: no plan meets ``budget`` (the message gives the least peak).
   """
+  if ties is not None and len(set(ties)) < len(ties):
+    reduced, reduced_memory, of = tie(graph, memory, ties)
+    solution = solve_ilp(reduced, reduced_memory, budget, time_limit_s)
+    choice = tuple(solution.choice[of[g]] for g in range(len(graph.group_sizes)))
+    return Solution(choice, objective_of(graph, choice), solution.status)
   # Imported here: cvxpy takes ~1.4 s to import, which methods without an ILP never need.
   import cvxpy as cp
   import scipy.sparse as sp
