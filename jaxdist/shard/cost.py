@@ -84,23 +84,26 @@ class CostModel:
     """The collectives that move a tensor of ``full_bytes`` (unsharded) from ``src`` to
     ``dst``, as (kind, axes, per-device result bytes).
 
-    Per mesh axis: kept on the same dim, nothing; newly split, a local slice, nothing;
-    split in ``src`` only, an all-gather; moved to another dim, an all-to-all. A dim
-    kept on the same axes in another order is a full reshuffle (an all-to-all).
+    A dimension's tiling is an ordered tuple of mesh axes (major first), and XLA's
+    partitioner only changes it at the minor end: per dimension the longest common
+    prefix of ``src`` and ``dst`` stays, every ``src`` axis after it is released (an
+    all-to-all if ``dst`` uses that axis elsewhere, else an all-gather), and every
+    ``dst`` axis after it that the tensor was not split on is a local slice (free).
+    So ``(a, b) → (a,)`` gathers over ``b`` only, while ``(a, b) → (b,)`` gathers over
+    both (XLA logs that as an "involuntary full rematerialization").
     """
     if src == dst:
       return []
     sizes = self.axis_sizes
-    where_src = {a: d for d, axes in enumerate(src) for a in axes}
     where_dst = {a: d for d, axes in enumerate(dst) for a in axes}
     per_device = full_bytes / math.prod(sizes[a] for a in where_dst)
     out = []
-    for axis, d in where_src.items():
-      if where_dst.get(axis) != d:
+    for s_axes, d_axes in zip(src, dst):
+      keep = 0
+      while keep < min(len(s_axes), len(d_axes)) and s_axes[keep] == d_axes[keep]:
+        keep += 1
+      for axis in s_axes[keep:]:
         out.append(("all-to-all" if axis in where_dst else "all-gather", (axis,), per_device))
-    for d, axes in enumerate(dst):
-      if src[d] and axes and set(src[d]) == set(axes) and src[d] != axes:
-        out.append(("all-to-all", axes, per_device))
     return out
 
   def collective(self, kind: str, axes, nbytes: float) -> float:
