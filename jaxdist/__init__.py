@@ -14,9 +14,14 @@ from jaxdist.methods import Method as Method
 from jaxdist.methods import ShardParallel as ShardParallel
 from jaxdist.methods import Zero2Parallel as Zero2Parallel
 from jaxdist.methods import Zero3Parallel as Zero3Parallel
+from jaxdist.pipeline.layers import AutoLayerOption as AutoLayerOption
+from jaxdist.pipeline.layers import automatic_layer_construction as automatic_layer_construction
+from jaxdist.pipeline.layers import manual_layer_construction as manual_layer_construction
+from jaxdist.pipeline.layers import mark_pipeline_boundary as mark_pipeline_boundary
 from jaxdist.plan import Plan as Plan
 
 __all__ = [
+    "AutoLayerOption",
     "AutoShardingOption",
     "DataParallel",
     "Executable",
@@ -31,5 +36,8 @@ __all__ = [
     "grad",
     "init_distributed",
     "parallelize",
+    "automatic_layer_construction",
+    "manual_layer_construction",
+    "mark_pipeline_boundary",
     "value_and_grad",
 ]

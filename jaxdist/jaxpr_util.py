@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 
 import jax
@@ -9,6 +10,9 @@ import jax.extend.core as jex
 
 # jaxdist's gradient marker: an identity, dropped when it is named in ``inline``.
 IDENTITY_MARKER = "jaxdist_grad_marker"
+# Every identity marker jaxdist puts in a step (gradients, pipeline layers): planners
+# see through them.
+MARKERS = (IDENTITY_MARKER, "jaxdist_layer_marker")
 # Call-like primitives whose body is inlined when a jaxpr is flattened.
 CALLS = ("jit", "pjit", "closed_call", "core_call")
 # What the shard planner inlines: after differentiation a custom_jvp/custom_vjp call is
@@ -133,6 +137,22 @@ def free_invars(jaxpr, eqn_ids: Iterable[int]) -> list[int]:
   """Positions of ``jaxpr.invars`` read by the given equations."""
   used = {v for i in eqn_ids for v in jaxpr.eqns[i].invars if not isinstance(v, jex.Literal)}
   return [k for k, v in enumerate(jaxpr.invars) if v in used]
+
+
+def eqn_flops(eqn) -> float:
+  """Flops of a dot_general or convolution (2 per multiply-add), summed through the
+  bodies of calls and loops (a loop body counted once); 0 for other equations."""
+  name = eqn.primitive.name
+  out = getattr(eqn.outvars[0].aval, "shape", ()) if eqn.outvars else ()
+  if name == "dot_general":
+    (lc, _), _ = eqn.params["dimension_numbers"]
+    lhs = eqn.invars[0].aval.shape
+    return 2.0 * math.prod(out) * math.prod(lhs[d] for d in lc)
+  if name == "conv_general_dilated":
+    rhs = eqn.invars[1].aval.shape
+    out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
+    return 2.0 * math.prod(out) * math.prod(rhs) / out_features
+  return sum(eqn_flops(e) for sub in jex.jaxprs_in_params(eqn.params) for e in sub.eqns)
 
 
 def find_eqns(jaxpr, primitive_name: str) -> list[int]:

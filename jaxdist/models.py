@@ -2,7 +2,9 @@
 
 They are what the demo, the examples, the tests and the benchmarks parallelize: plain
 flax code with nothing jaxdist-specific except that the gradient function can be
-passed in (``jax.value_and_grad`` or ``jaxdist.value_and_grad``).
+passed in (``jax.value_and_grad`` or ``jaxdist.value_and_grad``), the loss can be
+wrapped (``jaxdist.automatic_layer_construction``) and the GPT can mark pipeline
+boundaries between its blocks.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import optax
 from flax import linen as nn
 from flax import nnx
 from flax.training import train_state
+
+from jaxdist.pipeline.layers import mark_pipeline_boundary
 
 
 class MLP(nn.Module):
@@ -39,6 +43,7 @@ class GPTConfig:
   heads: int = 4
   depth: int = 2
   seq_len: int = 64
+  mark_boundaries: bool = False  # jaxdist.mark_pipeline_boundary() after embedding and blocks
 
 
 class Block(nn.Module):
@@ -71,7 +76,11 @@ class GPT(nn.Module):
     pos = self.param("pos_embedding", nn.initializers.normal(0.02), (c.seq_len, c.width))
     x = x + pos[: tokens.shape[1]]
     for i in range(c.depth):
+      if c.mark_boundaries:
+        mark_pipeline_boundary()
       x = Block(c, name=f"block_{i}")(x)
+    if c.mark_boundaries:
+      mark_pipeline_boundary()
     x = nn.LayerNorm()(x)
     return nn.Dense(c.vocab)(x)
 
@@ -97,8 +106,13 @@ def regression_step(value_and_grad: Callable = jax.value_and_grad):
   return train_step
 
 
-def lm_step(value_and_grad: Callable = jax.value_and_grad):
-  """``step(state, batch) -> (state, {"loss"})``: next-token cross entropy on batch["tokens"]."""
+def lm_step(value_and_grad: Callable = jax.value_and_grad,
+            wrap_loss: Callable = lambda loss_fn: loss_fn):
+  """``step(state, batch) -> (state, {"loss"})``: next-token cross entropy on batch["tokens"].
+
+  ``wrap_loss`` is applied to the loss function before it is differentiated (layer
+  construction, say).
+  """
 
   def train_step(state, batch):
     tokens = batch["tokens"]
@@ -107,7 +121,7 @@ def lm_step(value_and_grad: Callable = jax.value_and_grad):
       logits = state.apply_fn(params, tokens[:, :-1])
       return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
-    loss, grads = value_and_grad(loss_fn)(state.params)
+    loss, grads = value_and_grad(wrap_loss(loss_fn))(state.params)
     return state.apply_gradients(grads=grads), {"loss": loss}
 
   return train_step

@@ -16,7 +16,7 @@ import jax.extend.core as jex
 import numpy as np
 
 from jaxdist import errors
-from jaxdist.jaxpr_util import IDENTITY_MARKER
+from jaxdist.jaxpr_util import MARKERS
 from jaxdist.shard.cost import CostModel
 from jaxdist.shard.specs import DimAxes, num_shards, replicated
 from jaxdist.shard.strategies import Follow, Strategy, input_strategies, nbytes, rule_for
@@ -115,8 +115,8 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
     producer[v] = (new_node(f"input {k}", strategies, input_index=k), 0)
 
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == IDENTITY_MARKER:
-      # jaxdist.grad's marker is an identity: its outputs are its operands.
+    if eqn.primitive.name in MARKERS:
+      # jaxdist's markers are identities: their outputs are their operands.
       for v_in, v_out in zip(eqn.invars, eqn.outvars):
         if _has_producer(v_in, producer):
           producer[v_out] = producer[v_in]

@@ -263,10 +263,10 @@ def memory_constraint(jaxpr, graph: StrategyGraph, step: TracedStep,
   """Per-device bytes at the heaviest liveness points, linear in the choices."""
   sizes = dict(zip(lmesh.axis_names, lmesh.shape))
   n_eqns = len(jaxpr.eqns)
-  # The gradient marker's outputs are its operands (one buffer each).
+  # A marker's outputs are its operands (one buffer each).
   alias = {}
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == jaxpr_util.IDENTITY_MARKER:
+    if eqn.primitive.name in jaxpr_util.MARKERS:
       alias.update((o, i) for i, o in zip(eqn.invars, eqn.outvars) if not isinstance(i, jex.Literal))
   last_use = {}
   for i, eqn in enumerate(jaxpr.eqns):

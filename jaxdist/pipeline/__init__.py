@@ -1,0 +1,1 @@
+"""Pipeline parallelism: layer construction (and, to come, stages, schedules, driver)."""

@@ -1,0 +1,295 @@
+"""Layer construction: where a forward function splits into pipeline layers.
+
+Manual: ``jaxdist.mark_pipeline_boundary()`` inside the forward function, and
+``jaxdist.manual_layer_construction(fun)``. Automatic:
+``jaxdist.automatic_layer_construction(fun, layer_num=...)`` clusters the equations of
+``fun``'s jaxpr into ``layer_num`` contiguous layers (Alpa's algorithm, see
+:func:`cluster_layers`).
+
+Either way the wrapped function traces ``fun`` once, then evaluates its jaxpr layer by
+layer: with ``remat_layer=True`` each layer runs under
+:func:`jaxdist.recompute.tied_checkpoint` (only its inputs are saved, its activations
+are recomputed in the backward pass), and between layers a *layer marker* (an
+identity over the values that cross the boundary) records the layers in the step's
+jaxpr for the pipeline planner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.extend.core as jex
+import numpy as np
+from jax.interpreters import ad, batching, mlir
+
+from jaxdist import errors
+from jaxdist import jaxpr_util
+from jaxdist.recompute import tied_checkpoint
+
+# mark_pipeline_boundary(): no operands, no results; lowers to nothing.
+boundary_p = jex.Primitive("jaxdist_pipeline_boundary")
+boundary_p.multiple_results = True
+boundary_p.def_impl(lambda: [])
+boundary_p.def_abstract_eval(lambda: [])
+mlir.register_lowering(boundary_p, lambda ctx: [])
+batching.primitive_batchers[boundary_p] = lambda args, dims: ([], [])
+ad.primitive_jvps[boundary_p] = lambda primals, tangents: (boundary_p.bind(), [])
+
+# The values crossing into layer ``layer``: an identity (tangents pass through unmarked).
+layer_marker_p = jex.Primitive("jaxdist_layer_marker")
+layer_marker_p.multiple_results = True
+layer_marker_p.def_impl(lambda *xs, layer: list(xs))
+layer_marker_p.def_abstract_eval(lambda *avals, layer: list(avals))
+mlir.register_lowering(layer_marker_p, lambda ctx, *xs, layer: list(xs))
+batching.primitive_batchers[layer_marker_p] = (
+    lambda args, dims, layer: (layer_marker_p.bind(*args, layer=layer), dims))
+ad.primitive_jvps[layer_marker_p] = (
+    lambda primals, tangents, layer: (layer_marker_p.bind(*primals, layer=layer), list(tangents)))
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoLayerOption:
+  """Automatic layer construction (for ``PipeshardParallel(layer_option=...)``).
+
+  Attributes:
+    layer_num: how many layers to cluster the forward pass into.
+    remat_layer: recompute each layer's activations in the backward pass.
+    eps: a layer may cost up to ``(1 + eps) × total flops / layer_num``.
+  """
+
+  layer_num: int
+  remat_layer: bool = False
+  eps: float = 0.5
+
+  def __post_init__(self):
+    if isinstance(self.layer_num, bool) or not isinstance(self.layer_num, int) or self.layer_num < 1:
+      raise errors.InvalidArgumentError(
+          f"AutoLayerOption(layer_num={self.layer_num!r}) must be an integer >= 1.")
+    if not (isinstance(self.eps, (int, float)) and self.eps >= 0):
+      raise errors.InvalidArgumentError(
+          f"AutoLayerOption(eps={self.eps!r}) must be a number >= 0.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layers:
+  """A split of a jaxpr's equations into contiguous layers.
+
+  Attributes:
+    starts: index of each layer's first equation (``starts[0] == 0``).
+    flops: per layer, its dot and convolution flops.
+    in_bytes: per layer, bytes of values computed by earlier layers that cross into it
+      or past it (the activations a pipeline stage boundary there would send).
+  """
+
+  starts: tuple[int, ...]
+  flops: tuple[float, ...]
+  in_bytes: tuple[float, ...]
+
+
+def mark_pipeline_boundary() -> None:
+  """Marks a pipeline layer boundary at this point of the forward function.
+
+  Takes effect inside :func:`manual_layer_construction`; elsewhere it does nothing.
+  """
+  boundary_p.bind()
+
+
+def _bytes(v) -> float:
+  aval = v.aval
+  return float(math.prod(getattr(aval, "shape", ())) * getattr(getattr(aval, "dtype", None),
+                                                                "itemsize", 4))
+
+
+def crossing_bytes(jaxpr) -> np.ndarray:
+  """``c[j]``: bytes of values defined by equations before ``j`` and used at ``j`` or later
+  (equation inputs or the jaxpr's outputs); ``c[0] = 0``. Inputs of the jaxpr are not
+  counted: every layer can read them."""
+  n = len(jaxpr.eqns)
+  last = {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:
+      if not isinstance(v, jex.Literal):
+        last[v] = i
+  for v in jaxpr.outvars:
+    if not isinstance(v, jex.Literal):
+      last[v] = n
+  diff = np.zeros(n + 2)
+  for i, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.outvars:
+      if v in last and last[v] > i:
+        diff[i + 1] += _bytes(v)
+        diff[last[v] + 1] -= _bytes(v)
+  return np.cumsum(diff)[:n + 1]
+
+
+def cluster_layers(jaxpr, layer_num: int, eps: float = 0.5) -> Layers:
+  """Splits ``jaxpr``'s equations into ``layer_num`` contiguous, non-empty layers.
+
+  Alpa's layer clustering: with ``avg = total / layer_num`` flops (dots and
+  convolutions; if the jaxpr has none, every equation costs 1), a layer must cost
+  between ``avg / (1 + eps)`` and ``(1 + eps) · avg`` (the upper bound is raised to the
+  costliest single equation if that alone exceeds it; the lower bound is dropped if no
+  split meets it). Among the splits within the bounds a dynamic program minimizes the
+  largest number of bytes crossing a boundary, then their sum::
+
+      f[l][i] = min over j < i with cost(j..i) in bounds of  max(f[l-1][j], c[j])
+
+  where ``c[j]`` is :func:`crossing_bytes` at boundary ``j``.
+
+  Raises:
+    InvalidArgumentError: more layers than equations.
+  """
+  n = len(jaxpr.eqns)
+  if layer_num > n:
+    raise errors.InvalidArgumentError(
+        f"layer_num={layer_num} is more than the forward function's {n} equations; use at "
+        f"most {n} layers.")
+  cost = np.array([jaxpr_util.eqn_flops(e) for e in jaxpr.eqns])
+  if not cost.any():
+    cost = np.ones(n)
+  prefix = np.concatenate(([0.0], np.cumsum(cost)))
+  avg = prefix[-1] / layer_num
+  high = max((1 + eps) * avg, float(cost.max()))
+  cross = crossing_bytes(jaxpr)
+  starts = _layer_dp(prefix, cross, layer_num, high, avg / (1 + eps))
+  if starts is None:
+    starts = _layer_dp(prefix, cross, layer_num, high, 0.0)
+  ends = starts[1:] + (n,)
+  return Layers(starts, tuple(float(prefix[e] - prefix[s]) for s, e in zip(starts, ends)),
+                tuple(float(cross[s]) if s else 0.0 for s in starts))
+
+
+def _layer_dp(prefix, cross, layer_num, high, low) -> tuple[int, ...] | None:
+  n = len(prefix) - 1
+  tol = 1e-9 * max(prefix[-1], 1.0)
+  best_max = np.full((layer_num + 1, n + 1), np.inf)
+  best_sum = np.full((layer_num + 1, n + 1), np.inf)
+  arg = np.zeros((layer_num + 1, n + 1), dtype=np.int64)
+  best_max[0, 0] = best_sum[0, 0] = 0.0
+  # The layer [j, i) is within bounds for first[i] <= j <= last[i] (prefix is sorted).
+  first = np.searchsorted(prefix, prefix - high - tol, side="left")
+  last = np.searchsorted(prefix, prefix - low + tol, side="right") - 1
+  for layer in range(1, layer_num + 1):
+    for i in range(layer, n + 1):
+      j0, j1 = max(first[i], layer - 1), min(last[i], i - 1) + 1  # non-empty layers
+      if j0 >= j1:
+        continue
+      js = np.arange(j0, j1)
+      at = np.where(js > 0, cross[js], 0.0)
+      m = np.maximum(best_max[layer - 1, j0:j1], at)
+      s = best_sum[layer - 1, j0:j1] + at
+      k = np.lexsort((s, m))[0]
+      if np.isfinite(m[k]):
+        best_max[layer, i], best_sum[layer, i], arg[layer, i] = m[k], s[k], js[k]
+  if not np.isfinite(best_max[layer_num, n]):
+    return None
+  starts, i = [], n
+  for layer in range(layer_num, 0, -1):
+    i = int(arg[layer, i])
+    starts.append(i)
+  return tuple(reversed(starts))
+
+
+def _trace(fun, args):
+  leaves, tree = jax.tree.flatten(args)
+  out_tree = {}
+
+  def flat(*xs):
+    out, out_tree["tree"] = jax.tree.flatten(fun(*tree.unflatten(xs)))
+    return out
+
+  closed = jax.make_jaxpr(flat)(*[jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x))
+                                  for x in leaves])
+  return closed, leaves, out_tree["tree"]
+
+
+def run_layers(closed, leaves, starts: tuple[int, ...], remat_layer: bool,
+               skip: frozenset[int] = frozenset()) -> list:
+  """Evaluates ``closed`` on ``leaves`` layer by layer (equations in ``skip`` dropped),
+  marking the values that cross each boundary and, with ``remat_layer``, recomputing
+  each layer in the backward pass. Returns the outputs."""
+  jaxpr = closed.jaxpr
+  env = dict(zip(jaxpr.constvars, closed.consts))
+  env.update(zip(jaxpr.invars, leaves))
+  ends = starts[1:] + (len(jaxpr.eqns),)
+  for index, (start, end) in enumerate(zip(starts, ends)):
+    ids = [i for i in range(start, end) if i not in skip]
+    defined = {v for i in ids for v in jaxpr.eqns[i].outvars}
+    later = {v for i in range(end, len(jaxpr.eqns)) for v in jaxpr.eqns[i].invars
+             if not isinstance(v, jex.Literal)}
+    later |= {v for v in jaxpr.outvars if not isinstance(v, jex.Literal)}
+    needed = []
+    for i in ids:
+      for v in jaxpr.eqns[i].invars:
+        if not isinstance(v, jex.Literal) and v not in defined and v not in needed:
+          needed.append(v)
+    live_out = [v for v in dict.fromkeys(v for i in ids for v in jaxpr.eqns[i].outvars)
+                if v in later and not isinstance(v, jex.DropVar)]
+
+    def layer_fn(*values, ids=ids, needed=needed, live_out=live_out):
+      local = dict(zip(needed, values))
+      jaxpr_util.eval_eqns(jaxpr, local, ids)
+      return [local[v] for v in live_out]
+
+    values = [env[v] for v in needed]
+    outs = tied_checkpoint(layer_fn, *values) if remat_layer and ids else layer_fn(*values)
+    if index + 1 < len(starts) and outs:
+      outs = layer_marker_p.bind(*outs, layer=index + 1)
+    env.update(zip(live_out, outs))
+  return [jaxpr_util.read(env, v) for v in jaxpr.outvars]
+
+
+def automatic_layer_construction(fun=None, *, layer_num: int, remat_layer: bool = False,
+                                 eps: float = 0.5):
+  """``fun`` split into ``layer_num`` layers by :func:`cluster_layers`.
+
+  Use it on the function you differentiate (the loss), inside the train step:
+  ``jd.value_and_grad(jd.automatic_layer_construction(loss_fn, layer_num=4))``.
+
+  Args:
+    fun: the forward function; omit it to get a decorator.
+    layer_num: the number of layers.
+    remat_layer: recompute each layer's activations in the backward pass.
+    eps: balance tolerance of the layers' flops (see :func:`cluster_layers`).
+
+  Raises:
+    InvalidArgumentError: ``layer_num`` or ``eps`` is invalid, or ``layer_num`` exceeds
+      the number of equations (when traced).
+  """
+  option = AutoLayerOption(layer_num, remat_layer, eps)
+  if fun is None:
+    return lambda f: automatic_layer_construction(f, layer_num=layer_num,
+                                                  remat_layer=remat_layer, eps=eps)
+
+  def run(*args):
+    closed, leaves, out_tree = _trace(fun, args)
+    layers = cluster_layers(closed.jaxpr, option.layer_num, option.eps)
+    return out_tree.unflatten(run_layers(closed, leaves, layers.starts, option.remat_layer))
+
+  return run
+
+
+def manual_layer_construction(fun=None, *, remat_layer: bool = False):
+  """``fun`` split into layers at its :func:`mark_pipeline_boundary` calls.
+
+  Raises:
+    InvalidArgumentError: ``fun`` marks no boundary (when traced).
+  """
+  if fun is None:
+    return lambda f: manual_layer_construction(f, remat_layer=remat_layer)
+
+  def run(*args):
+    closed, leaves, out_tree = _trace(fun, args)
+    marks = jaxpr_util.find_eqns(closed.jaxpr, boundary_p.name)
+    if not marks:
+      raise errors.InvalidArgumentError(
+          f"manual_layer_construction({getattr(fun, '__name__', fun)!r}): the function marks "
+          f"no layer boundary; call jaxdist.mark_pipeline_boundary() between layers in its "
+          f"forward pass (at its top level: not inside a jitted helper or a loop), or use "
+          f"jaxdist.automatic_layer_construction.")
+    starts = tuple(dict.fromkeys([0] + [m + 1 for m in marks if m + 1 < len(closed.jaxpr.eqns)]))
+    return out_tree.unflatten(run_layers(closed, leaves, starts, remat_layer, frozenset(marks)))
+
+  return run
