@@ -10,8 +10,11 @@ from jaxdist.launch import init_distributed as init_distributed
 from jaxdist.mesh import LogicalMesh as LogicalMesh
 from jaxdist.methods import AutoShardingOption as AutoShardingOption
 from jaxdist.methods import DataParallel as DataParallel
+from jaxdist.methods import ManualStageOption as ManualStageOption
 from jaxdist.methods import Method as Method
+from jaxdist.methods import PipeshardParallel as PipeshardParallel
 from jaxdist.methods import ShardParallel as ShardParallel
+from jaxdist.methods import UniformStageOption as UniformStageOption
 from jaxdist.methods import Zero2Parallel as Zero2Parallel
 from jaxdist.methods import Zero3Parallel as Zero3Parallel
 from jaxdist.pipeline.layers import AutoLayerOption as AutoLayerOption
@@ -26,10 +29,13 @@ __all__ = [
     "DataParallel",
     "Executable",
     "LogicalMesh",
+    "ManualStageOption",
     "Method",
     "ParallelizedFunc",
+    "PipeshardParallel",
     "Plan",
     "ShardParallel",
+    "UniformStageOption",
     "Zero2Parallel",
     "Zero3Parallel",
     "errors",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -15,6 +16,8 @@ from jaxdist import methods as m
 from jaxdist.executable import Executable, compile_layout, make_plan
 from jaxdist.layouts import data_parallel_layout
 from jaxdist.mesh import LogicalMesh
+from jaxdist.pipeline import capture
+from jaxdist.pipeline.runtime import PipelineExecutable
 from jaxdist.recompute import RecomputeRequest, recomputing
 from jaxdist.shard.planner import plan_shard_parallel
 from jaxdist.trace import is_array, leaf_signature, trace_step, with_micro_batch_trace
@@ -75,7 +78,8 @@ class ParallelizedFunc:
     if not isinstance(method, m.Method):
       raise errors.InvalidArgumentError(
           f"method={method!r} is not a jaxdist method; use one of jaxdist.DataParallel(), "
-          f"jaxdist.Zero2Parallel(), jaxdist.Zero3Parallel(), jaxdist.ShardParallel().")
+          f"jaxdist.Zero2Parallel(), jaxdist.Zero3Parallel(), jaxdist.ShardParallel(), "
+          f"jaxdist.PipeshardParallel().")
     self.fun = fun
     self.method = method
     self.static_argnums = _argnums("static_argnums", static_argnums, allow_auto=True)
@@ -144,6 +148,17 @@ class ParallelizedFunc:
     request = (None if self.method.recompute_modules is None else
                RecomputeRequest.parse(self.method.recompute_modules, self.method.name))
     shard_plan = None
+    dyn_argnums = tuple(i for i in range(len(args)) if i not in static)
+    if isinstance(self.method, m.PipeshardParallel):
+      with recomputing(request), capture.capturing():
+        step = trace_step(self.fun, args, static, self.batch_argnums, self.donate_argnums)
+        step = dataclasses.replace(step, closed_jaxpr=jaxpr_util.inline_calls(step.closed_jaxpr))
+        k = self.method.num_micro_batches or 1
+        step = (dataclasses.replace(step, micro_jaxpr=step.closed_jaxpr) if k == 1 else
+                with_micro_batch_trace(self.fun, args, static, step, k, jaxpr_util.CALLS))
+      if request is not None:
+        request.check_all_matched(self.method.name)
+      return PipelineExecutable(self.method, step, lmesh, dyn_argnums)
     with recomputing(request):
       step = trace_step(self.fun, args, static, self.batch_argnums, self.donate_argnums)
       if request is not None:
@@ -168,7 +183,6 @@ class ParallelizedFunc:
           step = with_micro_batch_trace(self.fun, args, static, step, divisor, inline)
     compiled = compile_layout(step, layout)
     plan = make_plan(self.method.name, step, layout, shard_plan)
-    dyn_argnums = tuple(i for i in range(len(args)) if i not in static)
     return Executable(step, layout, compiled, plan, dyn_argnums)
 
   def _mesh(self) -> LogicalMesh:

@@ -15,6 +15,7 @@ import jax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from jaxdist.pipeline import capture
 from jaxdist.recompute import with_recompute
 
 VALUE, AUX, GRAD = "value", "aux", "grad"
@@ -60,6 +61,10 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
   vg = jax.value_and_grad(with_recompute(fun), argnums=argnums, has_aux=has_aux, **kwargs)
 
   def run(*args, **kw):
+    if capture.active():  # PipeshardParallel is tracing: the pipeline differentiates
+      (value, aux), grads = capture.captured_value_and_grad(with_recompute(fun), argnums,
+                                                            has_aux, args, kw)
+      return ((value, aux) if has_aux else value), grads
     if has_aux:
       (value, aux), grads = vg(*args, **kw)
       value, aux, grads = _mark(value, aux, grads, True, True)
@@ -77,6 +82,10 @@ def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
   g = jax.grad(with_recompute(fun), argnums=argnums, has_aux=has_aux, **kwargs)
 
   def run(*args, **kw):
+    if capture.active():
+      (_, aux), grads = capture.captured_value_and_grad(with_recompute(fun), argnums, has_aux,
+                                                        args, kw)
+      return (grads, aux) if has_aux else grads
     if has_aux:
       grads, aux = g(*args, **kw)
       aux, grads = _mark(None, aux, grads, False, True)

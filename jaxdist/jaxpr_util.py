@@ -71,6 +71,14 @@ def eval_eqns(jaxpr, env: dict, eqn_ids: Iterable[int] | None = None,
   return env
 
 
+def eval_closed(closed: jex.ClosedJaxpr, args: Sequence) -> list:
+  """The outputs of ``closed`` on ``args`` (evaluated equation by equation)."""
+  env = dict(zip(closed.jaxpr.constvars, closed.consts))
+  env.update(zip(closed.jaxpr.invars, args))
+  eval_eqns(closed.jaxpr, env)
+  return [read(env, v) for v in closed.jaxpr.outvars]
+
+
 def constraint_hook(mesh, eqn_constraints: dict) -> Callable:
   """An ``after`` hook for :func:`eval_eqns` that puts the outputs of the equations in
   ``eqn_constraints`` (index → one ``PartitionSpec`` per output) in those shardings.
@@ -172,10 +180,17 @@ def output_dependencies(jaxpr, num_inputs: int) -> list[int]:
   Call-like equations (jit, custom_jvp/vjp, remat, closed_call) are followed inside;
   loops and conditionals are treated as depending on all their operands.
   """
+  return dependencies(jaxpr, num_inputs, jaxpr.outvars)
+
+
+def dependencies(jaxpr, num_inputs: int, atoms: Sequence) -> list[int]:
+  """For each of ``atoms`` (variables of ``jaxpr``), its input bit mask (as
+  :func:`output_dependencies`)."""
   deps = {}
   for k, v in enumerate(jaxpr.invars[:num_inputs]):
     deps[v] = 1 << k
-  return _propagate(jaxpr, deps)
+  _propagate(jaxpr, deps)
+  return [0 if isinstance(v, jex.Literal) else deps.get(v, 0) for v in atoms]
 
 
 def _propagate(jaxpr, deps: dict) -> list[int]:

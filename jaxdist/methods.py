@@ -216,3 +216,77 @@ class ShardParallel(Method):
   @property
   def options(self) -> AutoShardingOption:
     return self.auto_sharding_option or AutoShardingOption()
+
+
+@_options
+class UniformStageOption:
+  """Stages of equally many layers on equal sub-meshes.
+
+  Attributes:
+    num_stages: how many stages; None: the largest number that divides the device count
+      and is at most the number of layers.
+    submesh_shape: unused for now (each stage's sub-mesh is 1-D, devices / num_stages).
+  """
+
+  num_stages: int | None = None
+  submesh_shape: tuple[int, ...] | None = None
+
+
+@_options
+class ManualStageOption:
+  """Stages given by hand.
+
+  Attributes:
+    forward_stage_layer_ids: per stage, the (contiguous, ascending) layer indices it runs.
+    submesh_shapes: per stage, its sub-mesh shape; the device counts must add up to the
+      method's devices, which are handed out in order.
+  """
+
+  forward_stage_layer_ids: Any = None
+  submesh_shapes: Any = None
+
+
+@_options
+class PipeshardParallel(Method):
+  """Pipeline parallelism: the loss is cut into layers, layers into stages on sub-meshes,
+  and a schedule runs the micro-batches through them.
+
+  Args:
+    devices, recompute_modules: as :class:`DataParallel`.
+    num_micro_batches: micro-batches per step (the batch must divide by it).
+    layer_option: ``"manual"`` (cut at ``jaxdist.mark_pipeline_boundary()`` calls in the
+      differentiated function) or a ``jaxdist.AutoLayerOption``.
+    stage_option: ``"uniform"``, a :class:`UniformStageOption` or a
+      :class:`ManualStageOption`.
+    pipeline_schedule: ``"1f1b"`` or ``"gpipe"``.
+    default_auto_sharding_option: reserved for per-stage ShardParallel plans (each stage
+      is data parallel over its sub-mesh for now).
+  """
+
+  devices: Any = None
+  num_micro_batches: int | None = 1
+  recompute_modules: str | None = None
+  layer_option: Any = "manual"
+  stage_option: Any = "uniform"
+  pipeline_schedule: str = "1f1b"
+  default_auto_sharding_option: AutoShardingOption | None = None
+
+  def _validate(self):
+    Method._validate(self)
+    from jaxdist.pipeline.layers import AutoLayerOption
+    from jaxdist.pipeline.schedule import SCHEDULES
+
+    if self.layer_option != "manual" and not isinstance(self.layer_option, AutoLayerOption):
+      raise errors.InvalidArgumentError(
+          f"PipeshardParallel(layer_option={self.layer_option!r}): use 'manual' or "
+          f"jaxdist.AutoLayerOption(layer_num=...).")
+    if (self.stage_option != "uniform"
+        and not isinstance(self.stage_option, (UniformStageOption, ManualStageOption))):
+      raise errors.InvalidArgumentError(
+          f"PipeshardParallel(stage_option={self.stage_option!r}): use 'uniform', "
+          f"jaxdist.UniformStageOption(...) or jaxdist.ManualStageOption(...) (the 'auto' stage "
+          f"search is not built yet).")
+    if self.pipeline_schedule not in SCHEDULES:
+      raise errors.InvalidArgumentError(
+          f"PipeshardParallel(pipeline_schedule={self.pipeline_schedule!r}) is not a known "
+          f"schedule; valid: {', '.join(map(repr, SCHEDULES))}.")

@@ -1,0 +1,70 @@
+"""PipeshardParallel against ShardParallel on the same 8 devices and GPT, and the pipeline
+driver's host overhead per dispatched stage program.
+
+GPT: vocab 1024, width 256, 4 blocks, seq 128, batch 32, SGD + momentum. Pipelines: the
+model's own boundaries (embedding + 2 blocks | 2 blocks + head) on 2 x 4 devices, and 4
+automatic layers on 4 x 2 devices, 4 micro-batches, 1F1B. Step times are medians of
+alternating runs (the machine is noisy). On simulated CPU devices pipelining has no
+bandwidth to save and every stage shares the same two cores, so this measures what the
+driver costs, not what a pipeline gains on a cluster. Run: python bench/pipeline.py
+"""
+
+import common  # noqa: F401  (device setup)
+
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import optax  # noqa: E402
+
+import jaxdist as jd  # noqa: E402
+from jaxdist import models  # noqa: E402
+
+CONFIG = models.GPTConfig(vocab=1024, width=256, heads=8, depth=4, seq_len=128,
+                          mark_boundaries=True)
+BATCH = 32
+ROUNDS = 12
+
+
+def main():
+  batch = models.token_batch(BATCH, CONFIG)
+  make = lambda: models.create_state(models.GPT(CONFIG), batch["tokens"][:, :-1],
+                                     tx=optax.sgd(0.1, momentum=0.9))
+  methods = {
+      "ShardParallel": jd.ShardParallel(logical_mesh_shape=(8,)),
+      "Pipeshard 2x4 manual": jd.PipeshardParallel(
+          num_micro_batches=4, stage_option=jd.UniformStageOption(num_stages=2)),
+      "Pipeshard 4x2 auto": jd.PipeshardParallel(
+          num_micro_batches=4, layer_option=jd.AutoLayerOption(layer_num=4)),
+  }
+  steps, states = {}, {}
+  for name, method in methods.items():
+    states[name] = make()
+    steps[name] = jd.parallelize(models.lm_step(jd.value_and_grad), method=method)
+    states[name], _ = steps[name](states[name], batch)  # compile and warm up
+  times = {name: [] for name in methods}
+  overhead = []
+  for _ in range(ROUNDS):
+    for name in methods:
+      start = time.perf_counter()
+      states[name], metrics = steps[name](states[name], batch)
+      jax.block_until_ready(metrics)
+      times[name].append(time.perf_counter() - start)
+      stats = getattr(steps[name].get_executable(states[name], batch), "stats", None)
+      if stats:  # a pipeline's driver statistics of the step just run
+        overhead.append(stats["dispatch_s"] / stats["dispatched"])
+  base = statistics.median(times["ShardParallel"])
+  print(f"GPT width {CONFIG.width}, {CONFIG.depth} blocks, seq {CONFIG.seq_len}, batch {BATCH}, "
+        f"{jax.device_count()} devices, {ROUNDS} alternating rounds")
+  print(f"{'method':<22} {'median step ms':>15} {'x ShardParallel':>16}")
+  for name in methods:
+    t = statistics.median(times[name])
+    print(f"{name:<22} {t * 1e3:>15.1f} {t / base:>16.2f}")
+  if overhead:
+    print(f"driver host time per dispatched stage program (forward or backward of one "
+          f"micro-batch): median {statistics.median(overhead) * 1e6:.0f} us")
+  return True
+
+
+if __name__ == "__main__":
+  raise SystemExit(0 if main() else 1)

@@ -1,0 +1,452 @@
+"""PipeshardParallel: stages on sub-meshes and the driver that runs a schedule over them.
+
+The traced step (``jaxdist.pipeline.capture``) has one ``pipeline_loss`` equation. The
+equations before it (``pre``: computing the loss's inputs) and after it (``apply``:
+the optimizer update) run as jitted programs over all devices. The loss's forward jaxpr
+is cut into layers (``layers.py``), consecutive layers into stages, each on its own
+sub-mesh, and every stage gets two programs:
+
+- ``forward(operands, activations in) -> activations out``, and
+- ``backward(operands, activations in, cotangents out) -> (gradients of its
+  differentiated operands, cotangents of its activations in)``, which recomputes the
+  stage's forward (so a stage keeps only its *inputs* per micro-batch in flight, never
+  its residuals; the fallback DESIGN.md names, at the price of one more forward).
+
+The driver walks the schedule's instructions in clock order and issues each program
+through JAX's asynchronous dispatch, moving activations and cotangents between
+sub-meshes with ``jax.device_put``. Within a stage, batch-like values (micro-batch
+slices and activations) are split on dim 0 over the stage's devices where it divides,
+and everything else is replicated: each stage is data parallel on its sub-mesh.
+
+The loss and gradients are means over micro-batches (as with gradient accumulation:
+the full-batch result for a loss that is a mean over examples); integer aux leaves are
+summed.
+
+Not yet: per-stage ShardParallel plans, state kept on its stage's sub-mesh between
+steps (state is replicated over all devices and the update runs once over them), the
+automatic stage search, and multi-process runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
+from jax import tree_util
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxdist import errors
+from jaxdist import inspect as hlo_inspect
+from jaxdist import jaxpr_util
+from jaxdist import methods as m
+from jaxdist.executable import place
+from jaxdist.mesh import LogicalMesh
+from jaxdist.pipeline import capture, layers as layers_mod
+from jaxdist.pipeline.schedule import BACKWARD, FORWARD, Schedule, make_schedule
+from jaxdist.plan import Plan, PlanEntry
+from jaxdist.trace import BATCH, TracedStep
+
+STAGE_AXIS = "stage_devices"
+
+
+@dataclasses.dataclass
+class Stage:
+  """One stage: its equations of the loss jaxpr, its sub-mesh and its two programs.
+
+  Attributes:
+    layers: (first, last + 1) layer indices.
+    eqns: equation indices of the loss jaxpr it evaluates.
+    mesh: its sub-mesh (1-D).
+    operands: positions of the ``pipeline_loss`` operands it reads.
+    acts_in: loss-jaxpr variables it reads from earlier stages.
+    acts_out: variables it computes that later stages or the loss outputs read.
+    forward, backward: compiled programs (set by ``_compile``).
+  """
+
+  layers: tuple[int, int]
+  eqns: tuple[int, ...]
+  mesh: LogicalMesh
+  operands: tuple[int, ...]
+  acts_in: tuple
+  acts_out: tuple
+  forward: object = None
+  backward: object = None
+
+
+def _split_dim0(shape, n: int) -> PartitionSpec:
+  return PartitionSpec(STAGE_AXIS) if shape and n > 1 and shape[0] % n == 0 else PartitionSpec()
+
+
+def _is_float(aval) -> bool:
+  return jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+def _layer_starts(method: m.PipeshardParallel, jaxpr) -> tuple[int, ...]:
+  if method.layer_option == "manual":
+    marks = jaxpr_util.find_eqns(jaxpr, layers_mod.boundary_p.name)
+    if not marks:
+      raise errors.InvalidArgumentError(
+          "PipeshardParallel(layer_option='manual'): the function passed to jaxdist.grad / "
+          "value_and_grad marks no layer boundary; call jaxdist.mark_pipeline_boundary() "
+          "between layers of its forward pass, or use layer_option=jaxdist.AutoLayerOption("
+          "layer_num=...).")
+    return tuple(dict.fromkeys([0] + [i + 1 for i in marks if i + 1 < len(jaxpr.eqns)]))
+  opt = method.layer_option
+  return layers_mod.cluster_layers(jaxpr, opt.layer_num, opt.eps).starts
+
+
+def _stage_layout(method: m.PipeshardParallel, num_layers: int, lmesh: LogicalMesh):
+  """Per stage (first layer, last layer + 1) and its device count."""
+  n = lmesh.num_devices
+  opt = method.stage_option
+  if isinstance(opt, m.ManualStageOption):
+    ids = [list(s) for s in opt.forward_stage_layer_ids or []]
+    flat = [i for s in ids for i in s]
+    if not ids or flat != list(range(num_layers)) or any(not s for s in ids):
+      raise errors.InvalidArgumentError(
+          f"ManualStageOption(forward_stage_layer_ids={opt.forward_stage_layer_ids!r}) must "
+          f"list the layers 0..{num_layers - 1} in order, each stage a non-empty run.")
+    shapes = list(opt.submesh_shapes or [])
+    sizes = [math.prod(s) for s in shapes]
+    if len(shapes) != len(ids) or sum(sizes) != n:
+      raise errors.InvalidArgumentError(
+          f"ManualStageOption(submesh_shapes={opt.submesh_shapes!r}): need one shape per stage "
+          f"({len(ids)}) whose device counts add up to the {n} devices.")
+    return [(s[0], s[-1] + 1) for s in ids], sizes
+  num_stages = opt.num_stages if isinstance(opt, m.UniformStageOption) else None
+  if num_stages is None:  # as many as possible: the most equal sub-meshes, one layer or more each
+    num_stages = max(d for d in range(1, min(n, num_layers) + 1) if n % d == 0)
+  if num_stages > num_layers:
+    raise errors.InvalidArgumentError(
+        f"PipeshardParallel: {num_stages} stages but only {num_layers} layers; use at most "
+        f"{num_layers} stages or more layers.")
+  if n % num_stages:
+    raise errors.InvalidArgumentError(
+        f"PipeshardParallel: {num_stages} equal sub-meshes do not tile the {n} devices; use a "
+        f"number of stages that divides {n}, or ManualStageOption.")
+  bounds = [round(i * num_layers / num_stages) for i in range(num_stages + 1)]
+  return list(zip(bounds, bounds[1:])), [n // num_stages] * num_stages
+
+
+def build_stages(method: m.PipeshardParallel, loss: capture.CapturedLoss,
+                 lmesh: LogicalMesh) -> tuple[list[Stage], tuple[int, ...]]:
+  """Cuts the loss into layers and stages; returns the stages and the layer starts."""
+  jaxpr = loss.closed.jaxpr
+  starts = _layer_starts(method, jaxpr)
+  ranges, sizes = _stage_layout(method, len(starts), lmesh)
+  layer_ends = starts[1:] + (len(jaxpr.eqns),)
+  skip = set(jaxpr_util.find_eqns(jaxpr, layers_mod.boundary_p.name))
+  operand_index = {v: k for k, v in enumerate(jaxpr.invars)}
+  devices = list(lmesh.devices)
+  stages, offset = [], 0
+  for (first, last), size in zip(ranges, sizes):
+    ids = tuple(i for i in range(starts[first], layer_ends[last - 1]) if i not in skip)
+    defined = {v for i in ids for v in jaxpr.eqns[i].outvars}
+    reads = [v for i in ids for v in jaxpr.eqns[i].invars
+             if not isinstance(v, jex.Literal) and v not in defined]
+    reads = list(dict.fromkeys(reads))
+    later = {v for i in range(layer_ends[last - 1], len(jaxpr.eqns)) for v in jaxpr.eqns[i].invars
+             if not isinstance(v, jex.Literal)}
+    later |= {v for v in jaxpr.outvars if not isinstance(v, jex.Literal)}
+    mesh = LogicalMesh((size,), axis_names=(STAGE_AXIS,), devices=devices[offset:offset + size])
+    offset += size
+    stages.append(Stage(
+        layers=(first, last), eqns=ids, mesh=mesh,
+        operands=tuple(operand_index[v] for v in reads if v in operand_index),
+        acts_in=tuple(v for v in reads if v not in operand_index),
+        acts_out=tuple(v for v in dict.fromkeys(v for i in ids for v in jaxpr.eqns[i].outvars)
+                       if v in later and not isinstance(v, jex.DropVar))))
+  return stages, starts
+
+
+def _stage_functions(loss: capture.CapturedLoss, stage: Stage):
+  jaxpr = loss.closed.jaxpr
+  operand_vars = [jaxpr.invars[k] for k in stage.operands]
+  diff = [p for p, k in enumerate(stage.operands)
+          if k >= loss.num_consts and _is_float(jaxpr.invars[k].aval)]
+  float_in = [p for p, v in enumerate(stage.acts_in) if _is_float(v.aval)]
+  float_out = [p for p, v in enumerate(stage.acts_out) if _is_float(v.aval)]
+
+  def forward(operands, acts_in):
+    env = dict(zip(operand_vars, operands))
+    env.update(zip(stage.acts_in, acts_in))
+    jaxpr_util.eval_eqns(jaxpr, env, stage.eqns)
+    return [env[v] for v in stage.acts_out]
+
+  def backward(operands, acts_in, cotangents):
+    def differentiable(diff_ops, float_acts):
+      ops, acts = list(operands), list(acts_in)
+      for p, x in zip(diff, diff_ops):
+        ops[p] = x
+      for p, x in zip(float_in, float_acts):
+        acts[p] = x
+      outs = forward(ops, acts)
+      return [outs[p] for p in float_out]
+
+    _, vjp = jax.vjp(differentiable, [operands[p] for p in diff], [acts_in[p] for p in float_in])
+    return vjp(list(cotangents))
+
+  return forward, backward, diff, float_in, float_out
+
+
+class PipelineExecutable:
+  """A step compiled for PipeshardParallel (see the module docstring).
+
+  Attributes:
+    plan: the :class:`~jaxdist.plan.Plan` (stages, layers and sub-meshes in its notes).
+    stages: the :class:`Stage` list.
+    schedule: the :class:`~jaxdist.pipeline.schedule.Schedule` the driver runs.
+    stats: after a call, ``{"max_in_flight": per stage the most micro-batches whose
+      inputs it held at once, "dispatched": stage programs issued, "dispatch_s": host
+      seconds the driver took to issue them}`` (dispatch is asynchronous: with the device
+      queue not full, that is the driver's own overhead).
+    input_shardings, output_shardings: pytrees of ``NamedSharding``.
+    auto_sharding_objective: None (no shard plan per stage yet).
+  """
+
+  def __init__(self, method: m.PipeshardParallel, step: TracedStep, lmesh: LogicalMesh,
+               dyn_argnums: tuple[int, ...]):
+    jaxpr = step.closed_jaxpr.jaxpr
+    found = jaxpr_util.find_eqns(jaxpr, capture.pipeline_loss_p.name)
+    if len(found) != 1 or jaxpr_util.count_primitive(jaxpr, capture.pipeline_loss_p.name) != 1:
+      raise errors.GradientMarkerError(
+          "PipeshardParallel pipelines the function passed to jaxdist.grad / value_and_grad, "
+          "which the step must call exactly once, at its top level (jitted helpers are fine; "
+          "not inside a loop or cond). Use jaxdist.value_and_grad instead of jax's.")
+    if jaxpr_util.count_primitive(jaxpr, layers_mod.boundary_p.name):
+      raise errors.InvalidArgumentError(
+          "jaxdist.mark_pipeline_boundary() is called outside the function passed to "
+          "jaxdist.grad / value_and_grad; layer boundaries belong in the differentiated "
+          "forward pass.")
+    self._step, self._dyn_argnums = step, dyn_argnums
+    self._index = found[0]
+    eqn = jaxpr.eqns[self._index]
+    k = self._k = method.num_micro_batches or 1
+    # Stages run the loss as traced at micro-batch size (shapes are baked into a jaxpr).
+    micro = [e for e in step.micro_jaxpr.jaxpr.eqns if e.primitive is capture.pipeline_loss_p]
+    self._loss = loss = micro[0].params["loss"]
+    if len(micro) != 1 or len(micro[0].invars) != len(eqn.invars):
+      raise errors.GradientMarkerError(
+          "the step traced at micro-batch size calls jaxdist.value_and_grad differently than at "
+          "full size; PipeshardParallel needs one call whose inputs keep their structure.")
+    self._pre_ids = jaxpr_util.needed_eqns(jaxpr, eqn.invars)
+    self._apply_ids = jaxpr_util.needed_eqns(jaxpr, jaxpr.outvars, stop=[self._index]) - {self._index}
+    batch_mask = sum(1 << i for i, leaf in enumerate(step.inputs) if leaf.role == BATCH)
+    deps = jaxpr_util.dependencies(jaxpr, len(step.inputs), eqn.invars)
+    self._batch_operand = [bool(d & batch_mask) for d in deps]
+    for v, u, is_batch in zip(eqn.invars, micro[0].invars, self._batch_operand):
+      shape = tuple(v.aval.shape)
+      expected = (shape[0] // k,) + shape[1:] if is_batch and shape else shape
+      if tuple(u.aval.shape) != expected:
+        raise errors.InvalidArgumentError(
+            f"an input of the loss has shape {shape} on the whole batch but {u.aval.shape} on "
+            f"one of {k} micro-batches; PipeshardParallel splits batch-dependent inputs of the "
+            f"loss on dim 0 only.")
+      if is_batch and (not shape or shape[0] % k):
+        raise errors.BatchDivisibilityError(
+            f"PipeshardParallel(num_micro_batches={k}): a batch-dependent input of the loss has "
+            f"shape {shape}, whose dim 0 does not divide into {k} micro-batches; use a batch "
+            f"size that is a multiple of {k}.")
+    self._lmesh = lmesh
+    self.stages, starts = build_stages(method, loss, lmesh)
+    self.schedule: Schedule = make_schedule(method.pipeline_schedule, len(self.stages), k)
+    self._full = NamedSharding(lmesh.mesh, PartitionSpec())
+    self._compile_all()
+    self.stats: dict = {}
+    self.plan = Plan(
+        method=method.name, mesh_shape=lmesh.shape, axis_names=lmesh.axis_names,
+        inputs=tuple(PlanEntry(leaf.path, leaf.shape, str(leaf.dtype), leaf.role, PartitionSpec())
+                     for leaf in step.inputs),
+        num_micro_batches=k,
+        notes=(f"{len(starts)} layers starting at loss equations {list(starts)}",
+               *(f"stage {s}: layers {st.layers[0]}..{st.layers[1] - 1}, {len(st.eqns)} "
+                 f"equations, devices {[d.id for d in st.mesh.devices]}"
+                 for s, st in enumerate(self.stages)),
+               f"schedule {self.schedule.name}: {self.schedule.num_clocks} clocks"))
+    self.auto_sharding_objective = None
+    shardings = [self._full] * len(step.inputs)
+    self.input_shardings = tree_util.tree_unflatten(step.in_tree, shardings)
+    self.output_shardings = tree_util.tree_unflatten(step.out_tree, [self._full] * len(step.out_avals))
+
+  # ---- compilation -------------------------------------------------------------------
+
+  def _compile_all(self):
+    jaxpr = self._step.closed_jaxpr.jaxpr
+    closed = self._step.closed_jaxpr
+    eqn = jaxpr.eqns[self._index]
+    full = self._full
+
+    def pre(*leaves):
+      env = dict(zip(jaxpr.constvars, closed.consts))
+      env.update(zip(jaxpr.invars, leaves))
+      jaxpr_util.eval_eqns(jaxpr, env, self._pre_ids)
+      return [jaxpr_util.read(env, v) for v in eqn.invars]
+
+    def apply(leaves, results):
+      env = dict(zip(jaxpr.constvars, closed.consts))
+      env.update(zip(jaxpr.invars, leaves))
+      jaxpr_util.eval_eqns(jaxpr, env, self._pre_ids | self._apply_ids | {self._index},
+                           substitute={self._index: results})
+      return [jaxpr_util.read(env, v) for v in jaxpr.outvars]
+
+    in_avals = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=full)
+                for leaf in self._step.inputs]
+    self._pre = jax.jit(pre, out_shardings=full).lower(*in_avals).compile()
+    result_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=full)
+                    for v in eqn.outvars]
+    self._apply = jax.jit(apply, out_shardings=full).lower(in_avals, result_avals).compile()
+
+    k = self._k
+    loss_jaxpr = self._loss.closed.jaxpr
+    self._fns = []
+    for stage in self.stages:
+      forward, backward, diff, float_in, float_out = _stage_functions(self._loss, stage)
+      n = stage.mesh.num_devices
+      mesh = stage.mesh.mesh
+
+      def aval(v, micro):
+        shape = tuple(v.aval.shape)
+        spec = _split_dim0(shape, n) if micro else PartitionSpec()
+        return jax.ShapeDtypeStruct(shape, v.aval.dtype, sharding=NamedSharding(mesh, spec))
+
+      ops = [aval(loss_jaxpr.invars[p], self._batch_operand[p]) for p in stage.operands]
+      acts_in = [aval(v, False) for v in stage.acts_in]
+      acts_in = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(
+          mesh, _split_dim0(a.shape, n))) for a in acts_in]
+      acts_out = [jax.ShapeDtypeStruct(tuple(v.aval.shape), v.aval.dtype, sharding=NamedSharding(
+          mesh, _split_dim0(tuple(v.aval.shape), n))) for v in stage.acts_out]
+      stage.forward = jax.jit(forward, out_shardings=[a.sharding for a in acts_out]).lower(
+          ops, acts_in).compile()
+      cots = [acts_out[p] for p in float_out]
+      grad_shardings = ([NamedSharding(mesh, PartitionSpec()) for _ in diff],
+                        [acts_in[p].sharding for p in float_in])
+      stage.backward = jax.jit(backward, out_shardings=grad_shardings).lower(
+          ops, acts_in, cots).compile()
+      self._fns.append((ops, acts_in, acts_out, diff, float_in, float_out))
+
+  # ---- running ------------------------------------------------------------------------
+
+  def __call__(self, *args):
+    leaves = tree_util.tree_leaves(tuple(args[i] for i in self._dyn_argnums))
+    return self.call_flat(leaves)
+
+  def call_flat(self, leaves):
+    """Runs one step on the flat dynamic leaves; returns the output pytree."""
+    placed = [place(x, self._full) for x in leaves]
+    operands = self._pre(*placed)
+    results = self._run_pipeline(operands)
+    out = self._apply(placed, results)
+    return tree_util.tree_unflatten(self._step.out_tree, out)
+
+  def _run_pipeline(self, operands):
+    loss, k = self._loss, self._k
+    jaxpr = loss.closed.jaxpr
+    micro = [jnp.reshape(x, (k, x.shape[0] // k) + x.shape[1:]) if b else None
+             for x, b in zip(operands, self._batch_operand)]
+    producer = {v: s for s, st in enumerate(self.stages) for v in st.acts_out}
+    stage_ops = {}
+
+    def ops_for(s, b):
+      key = (s, b if any(self._batch_operand[p] for p in self.stages[s].operands) else None)
+      if key not in stage_ops:
+        shapes = self._fns[s][0]
+        stage_ops[key] = [jax.device_put(micro[p][b] if self._batch_operand[p] else operands[p],
+                                         a.sharding)
+                          for p, a in zip(self.stages[s].operands, shapes)]
+      return stage_ops[key]
+
+    acts, saved, cots = {}, {}, {}
+    grads = [None] * len(jaxpr.invars)
+    outputs = {}
+    in_flight = [0] * len(self.stages)
+    peak = [0] * len(self.stages)
+    dispatched = 0
+    out_index = {v: i for i, v in enumerate(jaxpr.outvars)}
+    start = time.perf_counter()
+    for ins in self.schedule.instructions:
+      s, b, st = ins.stage, ins.micro_batch, self.stages[ins.stage]
+      ops_avals, in_avals, out_avals, diff, float_in, float_out = self._fns[s]
+      if ins.kind == FORWARD:
+        ops = ops_for(s, b)
+        acts_in = [jax.device_put(acts[b, v], a.sharding) for v, a in zip(st.acts_in, in_avals)]
+        outs = st.forward(ops, acts_in)
+        for v, x in zip(st.acts_out, outs):
+          acts[b, v] = x
+          if v in out_index:
+            outputs[b, out_index[v]] = x
+        saved[s, b] = (ops, acts_in)
+        in_flight[s] += 1
+        peak[s] = max(peak[s], in_flight[s])
+      elif ins.kind == BACKWARD:
+        ops, acts_in = saved.pop((s, b))
+        cot_out = []
+        for p in float_out:
+          v, a = st.acts_out[p], out_avals[p]
+          c = cots.pop((b, v), None)
+          if v is jaxpr.outvars[0]:  # the loss value: d(mean over micro-batches)/d(value_b)
+            c = jnp.full(a.shape, 1.0 / k, a.dtype)
+          cot_out.append(jax.device_put(c if c is not None else jnp.zeros(a.shape, a.dtype),
+                                        a.sharding))
+        op_grads, act_cots = st.backward(ops, acts_in, cot_out)
+        for p, g in zip(diff, op_grads):
+          pos = st.operands[p]
+          grads[pos] = g if grads[pos] is None else grads[pos] + g
+        for p, c in zip(float_in, act_cots):
+          v = st.acts_in[p]
+          target = self._fns[producer[v]][2][self.stages[producer[v]].acts_out.index(v)].sharding
+          c = jax.device_put(c, target)
+          cots[b, v] = c if (b, v) not in cots else cots[b, v] + c
+        in_flight[s] -= 1
+      dispatched += ins.kind in (FORWARD, BACKWARD)
+    self.stats = {"max_in_flight": peak, "dispatched": dispatched,
+                  "dispatch_s": time.perf_counter() - start}
+    results = []
+    for i, kind in enumerate(loss.kinds):
+      if kind == capture.GRAD:
+        pos = loss.num_consts + (i - 1 - loss.kinds.count(capture.AUX))
+        g = grads[pos]
+        v = jaxpr.invars[pos]
+        results.append(jnp.zeros(v.aval.shape, v.aval.dtype) if g is None
+                       else jax.device_put(g, self._full))
+        continue
+      parts = [jax.device_put(outputs[b, i], self._full) for b in range(k)]
+      total = sum(parts[1:], parts[0])
+      results.append(total / k if jnp.issubdtype(total.dtype, jnp.inexact) else total)
+    return [jax.device_put(r, self._full) for r in results]
+
+  # ---- introspection --------------------------------------------------------------------
+
+  def _programs(self):
+    return [self._pre] + [p for st in self.stages for p in (st.forward, st.backward)] + [self._apply]
+
+  def get_hlo_text(self) -> list[str]:
+    """One HLO text per program: pre, then each stage's forward and backward, then apply."""
+    return [p.as_text() for p in self._programs()]
+
+  def memory_analysis(self) -> list:
+    return [p.memory_analysis() for p in self._programs()]
+
+  def cost_analysis(self) -> list:
+    return [p.cost_analysis() for p in self._programs()]
+
+  def get_total_allocation_size(self) -> int:
+    """Bytes per device of the largest program (arguments + outputs − aliased + temp)."""
+    return max(int(a.argument_size_in_bytes + a.output_size_in_bytes - a.alias_size_in_bytes
+                   + a.temp_size_in_bytes) for a in self.memory_analysis())
+
+  def communication(self) -> dict[str, hlo_inspect.CollectiveStats]:
+    """Collectives inside the programs for one step (stage programs × micro-batches);
+    transfers between sub-meshes (``device_put``) are not collectives and not counted."""
+    total: dict[str, hlo_inspect.CollectiveStats] = {}
+    times = [1] + [self._k] * (2 * len(self.stages)) + [1]
+    for text, n in zip(self.get_hlo_text(), times):
+      for kind, stats in hlo_inspect.collective_summary(text).items():
+        scaled = hlo_inspect.CollectiveStats(stats.count * n, stats.result_bytes * n,
+                                             stats.wire_bytes * n)
+        total[kind] = total.get(kind, hlo_inspect.CollectiveStats()) + scaled
+    return total

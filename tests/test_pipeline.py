@@ -1,0 +1,107 @@
+"""PipeshardParallel: stages and schedules against the serial step, driver statistics, errors.
+
+Numerics: SGD + momentum, rtol 1e-5 / atol 1e-6 (only summation order differs: the
+micro-batch gradients are added up stage by stage).
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jaxdist as jd
+from jaxdist import errors, models
+from helpers import assert_trees_close, to_host
+
+
+def _gpt(mark_boundaries=True, batch_size=32):
+  config = models.GPTConfig(vocab=256, width=32, heads=4, depth=4, seq_len=32,
+                            mark_boundaries=mark_boundaries)
+  batch = models.token_batch(batch_size, config)
+  make = lambda: models.create_state(models.GPT(config), batch["tokens"][:, :-1],
+                                     tx=optax.sgd(0.1, momentum=0.9))
+  return make, batch
+
+
+@pytest.mark.parametrize("method,in_flight", [
+    # embedding + 2 blocks | 2 blocks + head: unequal stages, from the model's boundaries
+    (jd.PipeshardParallel(num_micro_batches=4, stage_option=jd.UniformStageOption(num_stages=2)),
+     [2, 1]),
+    (jd.PipeshardParallel(num_micro_batches=4, layer_option=jd.AutoLayerOption(layer_num=4)),
+     [4, 3, 2, 1]),
+    (jd.PipeshardParallel(num_micro_batches=4, layer_option=jd.AutoLayerOption(layer_num=4),
+                          pipeline_schedule="gpipe"), [4, 4, 4, 4]),
+], ids=["manual-2-stages-1f1b", "auto-4-stages-1f1b", "auto-4-stages-gpipe"])
+def test_pipeline_matches_serial_twice_in_a_row(method, in_flight):
+  make, batch = _gpt()
+  serial = jax.jit(models.lm_step())
+  s1, m1 = serial(make(), batch)
+  expected = (to_host((s1, m1)), to_host(serial(s1, batch)))
+  state = make()
+  exe = jd.parallelize(models.lm_step(jd.value_and_grad), method=method).get_executable(state,
+                                                                                         batch)
+  p1, n1 = exe(state, batch)
+  first = to_host((p1, n1))
+  actual = (first, to_host(exe(p1, batch)))
+  assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6)
+  assert exe.stats["max_in_flight"] == in_flight
+  assert exe.stats["dispatched"] == 2 * len(in_flight) * 4
+  assert len(exe.get_hlo_text()) == 2 + 2 * len(in_flight)  # pre, F/B per stage, apply
+  stage_devices = [set(d.id for d in st.mesh.devices) for st in exe.stages]
+  assert set().union(*stage_devices) == set(range(8)) and sum(map(len, stage_devices)) == 8
+
+
+def test_pipeline_with_aux_and_a_batch_slice_outside_the_loss():
+  data = models.regression_batch(32, 16)
+  model = models.MLP(hidden=32, num_layers=4)
+  make = lambda: models.create_state(model, data["x"], tx=optax.sgd(0.05, momentum=0.9))
+
+  def step(state, batch, grad_fn):
+    x = batch["x"] * 2.0  # computed before the loss: split into micro-batches all the same
+
+    def loss_fn(p):
+      err = state.apply_fn(p, x) - batch["y"]
+      return jnp.mean(err ** 2), {"mae": jnp.mean(jnp.abs(err))}
+
+    (loss, aux), g = grad_fn(loss_fn, has_aux=True)(state.params)
+    return state.apply_gradients(grads=g), {"loss": loss, **aux}
+
+  expected = to_host(jax.jit(lambda s, b: step(s, b, jax.value_and_grad))(make(), data))
+  method = jd.PipeshardParallel(num_micro_batches=2, layer_option=jd.AutoLayerOption(layer_num=2))
+  actual = jd.parallelize(lambda s, b: step(s, b, jd.value_and_grad), method=method)(make(), data)
+  assert_trees_close(to_host(actual), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_pipeline_errors():
+  with pytest.raises(errors.InvalidArgumentError, match=r"pipeline_schedule='zigzag'"):
+    jd.PipeshardParallel(pipeline_schedule="zigzag")
+  with pytest.raises(errors.InvalidArgumentError, match=r"stage_option='auto'.*not built"):
+    jd.PipeshardParallel(stage_option="auto")
+  with pytest.raises(errors.InvalidArgumentError, match=r"layer_option='layers'"):
+    jd.PipeshardParallel(layer_option="layers")
+
+  make, batch = _gpt()
+  run = lambda method, step_fn=models.lm_step(jd.value_and_grad): jd.parallelize(
+      step_fn, method=method).get_executable(make(), batch)
+  with pytest.raises(errors.InvalidArgumentError, match=r"8 stages but only 6 layers"):
+    run(jd.PipeshardParallel(stage_option=jd.UniformStageOption(num_stages=8)))
+  with pytest.raises(errors.InvalidArgumentError, match=r"3 equal sub-meshes do not tile the 8"):
+    run(jd.PipeshardParallel(stage_option=jd.UniformStageOption(num_stages=3)))
+  with pytest.raises(errors.InvalidArgumentError, match=r"submesh_shapes.*add up to the 8"):
+    run(jd.PipeshardParallel(stage_option=jd.ManualStageOption([[0, 1, 2], [3, 4, 5]],
+                                                               [(1, 4), (1, 2)])))
+  with pytest.raises(errors.BatchDivisibilityError, match=r"\(32, 33\).*5 micro-batches"):
+    run(jd.PipeshardParallel(num_micro_batches=5))
+  with pytest.raises(errors.GradientMarkerError, match=r"jaxdist.value_and_grad instead"):
+    run(jd.PipeshardParallel(), models.lm_step())  # plain jax.value_and_grad
+
+  make, batch = _gpt(mark_boundaries=False)
+  with pytest.raises(errors.InvalidArgumentError, match=r"marks no layer boundary"):
+    run(jd.PipeshardParallel())
+
+  def marker_outside(state, batch):
+    jd.mark_pipeline_boundary()
+    return models.lm_step(jd.value_and_grad)(state, batch)
+
+  with pytest.raises(errors.InvalidArgumentError, match=r"outside the function passed"):
+    run(jd.PipeshardParallel(layer_option=jd.AutoLayerOption(layer_num=2)), marker_outside)
