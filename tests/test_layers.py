@@ -123,6 +123,11 @@ def test_boundary_marker_is_inert_outside_layer_construction():
   x = jnp.arange(4.0)
   assert_trees_close(jax.jit(jax.value_and_grad(f))(x),
                      jax.value_and_grad(lambda x: jnp.sum(jnp.sin(x) ** 2))(x), rtol=1e-6, atol=0)
+  for method in (jd.DataParallel(), jd.ShardParallel()):  # a marked model runs under any method
+    make, batch = _gpt(depth=1, mark_boundaries=True)
+    expected = to_host(jax.jit(models.lm_step())(make(), batch))
+    actual = jd.parallelize(models.lm_step(), method=method)(make(), batch)
+    assert_trees_close(to_host(actual), expected, rtol=1e-5, atol=1e-6)
   layered = jd.manual_layer_construction(f, remat_layer=True)
   assert_trees_close(jax.grad(layered)(x), jax.grad(f)(x), rtol=1e-6, atol=0)
   assert dataclasses.is_dataclass(jd.AutoLayerOption(layer_num=2))

@@ -65,7 +65,8 @@ class Stage:
     operands: positions of the ``pipeline_loss`` operands it reads.
     acts_in: loss-jaxpr variables it reads from earlier stages.
     acts_out: variables it computes that later stages or the loss outputs read.
-    forward, backward: compiled programs (set by ``_compile``).
+    forward, backward, zeros: compiled programs (set when compiled): the backward adds
+      a micro-batch's gradients to a donated accumulator, which ``zeros`` creates.
   """
 
   layers: tuple[int, int]
@@ -76,6 +77,7 @@ class Stage:
   acts_out: tuple
   forward: object = None
   backward: object = None
+  zeros: object = None
 
 
 def _split_dim0(shape, n: int) -> PartitionSpec:
@@ -178,7 +180,8 @@ def _stage_functions(loss: capture.CapturedLoss, stage: Stage):
     jaxpr_util.eval_eqns(jaxpr, env, stage.eqns)
     return [env[v] for v in stage.acts_out]
 
-  def backward(operands, acts_in, cotangents):
+  def backward(operands, acts_in, cotangents, accumulated):
+    """Adds this micro-batch's gradients to ``accumulated`` (donated by the caller)."""
     def differentiable(diff_ops, float_acts):
       ops, acts = list(operands), list(acts_in)
       for p, x in zip(diff, diff_ops):
@@ -189,7 +192,8 @@ def _stage_functions(loss: capture.CapturedLoss, stage: Stage):
       return [outs[p] for p in float_out]
 
     _, vjp = jax.vjp(differentiable, [operands[p] for p in diff], [acts_in[p] for p in float_in])
-    return vjp(list(cotangents))
+    op_grads, act_cots = vjp(list(cotangents))
+    return [a + g for a, g in zip(accumulated, op_grads)], act_cots
 
   return forward, backward, diff, float_in, float_out
 
@@ -323,10 +327,13 @@ class PipelineExecutable:
       stage.forward = jax.jit(forward, out_shardings=[a.sharding for a in acts_out]).lower(
           ops, acts_in).compile()
       cots = [acts_out[p] for p in float_out]
-      grad_shardings = ([NamedSharding(mesh, PartitionSpec()) for _ in diff],
-                        [acts_in[p].sharding for p in float_in])
-      stage.backward = jax.jit(backward, out_shardings=grad_shardings).lower(
-          ops, acts_in, cots).compile()
+      replicated = NamedSharding(mesh, PartitionSpec())
+      grads = [jax.ShapeDtypeStruct(ops[p].shape, ops[p].dtype, sharding=replicated) for p in diff]
+      stage.backward = jax.jit(
+          backward, out_shardings=([replicated] * len(diff), [acts_in[p].sharding for p in float_in]),
+          donate_argnums=(3,)).lower(ops, acts_in, cots, grads).compile()
+      stage.zeros = jax.jit(lambda grads=grads: [jnp.zeros(g.shape, g.dtype) for g in grads],
+                            out_shardings=[replicated] * len(diff)).lower().compile()
       self._fns.append((ops, acts_in, acts_out, diff, float_in, float_out))
 
   # ---- running ------------------------------------------------------------------------
@@ -360,8 +367,7 @@ class PipelineExecutable:
                           for p, a in zip(self.stages[s].operands, shapes)]
       return stage_ops[key]
 
-    acts, saved, cots = {}, {}, {}
-    grads = [None] * len(jaxpr.invars)
+    acts, saved, cots, accumulated = {}, {}, {}, {}
     outputs = {}
     in_flight = [0] * len(self.stages)
     peak = [0] * len(self.stages)
@@ -392,10 +398,9 @@ class PipelineExecutable:
             c = jnp.full(a.shape, 1.0 / k, a.dtype)
           cot_out.append(jax.device_put(c if c is not None else jnp.zeros(a.shape, a.dtype),
                                         a.sharding))
-        op_grads, act_cots = st.backward(ops, acts_in, cot_out)
-        for p, g in zip(diff, op_grads):
-          pos = st.operands[p]
-          grads[pos] = g if grads[pos] is None else grads[pos] + g
+        if s not in accumulated:
+          accumulated[s] = st.zeros()
+        accumulated[s], act_cots = st.backward(ops, acts_in, cot_out, accumulated[s])
         for p, c in zip(float_in, act_cots):
           v = st.acts_in[p]
           target = self._fns[producer[v]][2][self.stages[producer[v]].acts_out.index(v)].sharding
@@ -405,14 +410,19 @@ class PipelineExecutable:
       dispatched += ins.kind in (FORWARD, BACKWARD)
     self.stats = {"max_in_flight": peak, "dispatched": dispatched,
                   "dispatch_s": time.perf_counter() - start}
+    grads = [None] * len(jaxpr.invars)  # a leaf read by several stages: their sums added
+    for s, sums in accumulated.items():
+      for p, g in zip(self._fns[s][3], sums):
+        pos = self.stages[s].operands[p]
+        g = jax.device_put(g, self._full)
+        grads[pos] = g if grads[pos] is None else grads[pos] + g
     results = []
     for i, kind in enumerate(loss.kinds):
       if kind == capture.GRAD:
         pos = loss.num_consts + (i - 1 - loss.kinds.count(capture.AUX))
         g = grads[pos]
         v = jaxpr.invars[pos]
-        results.append(jnp.zeros(v.aval.shape, v.aval.dtype) if g is None
-                       else jax.device_put(g, self._full))
+        results.append(jnp.zeros(v.aval.shape, v.aval.dtype) if g is None else g)
         continue
       parts = [jax.device_put(outputs[b, i], self._full) for b in range(k)]
       total = sum(parts[1:], parts[0])

@@ -115,6 +115,8 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
     producer[v] = (new_node(f"input {k}", strategies, input_index=k), 0)
 
   for eqn in jaxpr.eqns:
+    if not eqn.outvars:  # nothing to shard (jaxdist.mark_pipeline_boundary, say)
+      continue
     if eqn.primitive.name in MARKERS:
       # jaxdist's markers are identities: their outputs are their operands.
       for v_in, v_out in zip(eqn.invars, eqn.outvars):
