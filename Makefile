@@ -25,6 +25,7 @@ bench: $(STAMP)
 	$(PY) bench/accumulation.py
 	$(PY) bench/plan_time.py
 	$(PY) bench/compare_hand.py
+	$(PY) bench/pipeline.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -46,9 +46,17 @@ def test_pipeline_matches_serial_twice_in_a_row(method, in_flight):
   assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6)
   assert exe.stats["max_in_flight"] == in_flight
   assert exe.stats["dispatched"] == 2 * len(in_flight) * 4
-  assert len(exe.get_hlo_text()) == 2 + 2 * len(in_flight)  # pre, F/B per stage, apply
-  stage_devices = [set(d.id for d in st.mesh.devices) for st in exe.stages]
+  stage_devices = [frozenset(d.id for d in st.mesh.devices) for st in exe.stages]
   assert set().union(*stage_devices) == set(range(8)) and sum(map(len, stage_devices)) == 8
+  # State lives on its stage's sub-mesh: every parameter and its momentum on one stage.
+  for tree in (p1.params, p1.opt_state):
+    homes = {frozenset(d.id for d in x.sharding.device_set) for x in jax.tree.leaves(tree)
+             if x.ndim}
+    assert homes == set(stage_devices), homes
+  assert len(exe.get_hlo_text()) == 2 * len(in_flight) + len(in_flight) + 1  # F/B, updates
+  gathered = exe.gather(p1)
+  assert all(x.sharding.device_set == set(jax.devices()) for x in jax.tree.leaves(gathered))
+  assert_trees_close(to_host(gathered), to_host(p1), rtol=0, atol=0)
 
 
 def test_pipeline_with_aux_and_a_batch_slice_outside_the_loss():

@@ -80,6 +80,23 @@ class Stage:
   zeros: object = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """Equations of the step's jaxpr run as one jit, everything replicated on one mesh.
+
+  Attributes:
+    reads: the variables it reads (step inputs or results of the loss equation).
+    writes: the variables it returns.
+    sharding: where its inputs and outputs live.
+    compiled: the compiled program.
+  """
+
+  reads: tuple
+  writes: tuple
+  sharding: NamedSharding
+  compiled: object
+
+
 def _split_dim0(shape, n: int) -> PartitionSpec:
   return PartitionSpec(STAGE_AXIS) if shape and n > 1 and shape[0] % n == 0 else PartitionSpec()
 
@@ -238,8 +255,6 @@ class PipelineExecutable:
       raise errors.GradientMarkerError(
           "the step traced at micro-batch size calls jaxdist.value_and_grad differently than at "
           "full size; PipeshardParallel needs one call whose inputs keep their structure.")
-    self._pre_ids = jaxpr_util.needed_eqns(jaxpr, eqn.invars)
-    self._apply_ids = jaxpr_util.needed_eqns(jaxpr, jaxpr.outvars, stop=[self._index]) - {self._index}
     batch_mask = sum(1 << i for i, leaf in enumerate(step.inputs) if leaf.role == BATCH)
     deps = jaxpr_util.dependencies(jaxpr, len(step.inputs), eqn.invars)
     self._batch_operand = [bool(d & batch_mask) for d in deps]
@@ -260,7 +275,8 @@ class PipelineExecutable:
     self.stages, starts = build_stages(method, loss, lmesh)
     self.schedule: Schedule = make_schedule(method.pipeline_schedule, len(self.stages), k)
     self._full = NamedSharding(lmesh.mesh, PartitionSpec())
-    self._compile_all()
+    self._compile_stages()
+    self._compile_programs()
     self.stats: dict = {}
     self.plan = Plan(
         method=method.name, mesh_shape=lmesh.shape, axis_names=lmesh.axis_names,
@@ -273,39 +289,86 @@ class PipelineExecutable:
                  for s, st in enumerate(self.stages)),
                f"schedule {self.schedule.name}: {self.schedule.num_clocks} clocks"))
     self.auto_sharding_objective = None
-    shardings = [self._full] * len(step.inputs)
-    self.input_shardings = tree_util.tree_unflatten(step.in_tree, shardings)
-    self.output_shardings = tree_util.tree_unflatten(step.out_tree, [self._full] * len(step.out_avals))
+    self.input_shardings = tree_util.tree_unflatten(step.in_tree, self._input_homes)
+    self.output_shardings = tree_util.tree_unflatten(step.out_tree, self._output_homes)
 
   # ---- compilation -------------------------------------------------------------------
 
-  def _compile_all(self):
-    jaxpr = self._step.closed_jaxpr.jaxpr
+  def _program(self, writes, sharding: NamedSharding) -> Program:
+    """The equations of the step that compute ``writes`` from step inputs and loss results."""
     closed = self._step.closed_jaxpr
+    jaxpr = closed.jaxpr
+    ids = jaxpr_util.needed_eqns(jaxpr, writes, stop=[self._index]) - {self._index}
+    defined = {v for i in ids for v in jaxpr.eqns[i].outvars}
+    atoms = [v for i in sorted(ids) for v in jaxpr.eqns[i].invars] + list(writes)
+    reads = tuple(dict.fromkeys(v for v in atoms if not isinstance(v, jex.Literal)
+                                and v not in defined and v not in jaxpr.constvars))
+
+    def run(*values):
+      env = dict(zip(jaxpr.constvars, closed.consts))
+      env.update(zip(reads, values))
+      jaxpr_util.eval_eqns(jaxpr, env, ids)
+      return [jaxpr_util.read(env, v) for v in writes]
+
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=sharding) for v in reads]
+    compiled = jax.jit(run, out_shardings=sharding).lower(*avals).compile()
+    return Program(reads, tuple(writes), sharding, compiled)
+
+  def _compile_programs(self):
+    """Where state lives and the programs before and after the pipeline.
+
+    A step output belongs to a stage if the only loss results it depends on are
+    gradients of operands that stage alone reads (a parameter's update and its optimizer
+    state); it is then computed and kept on that stage's sub-mesh. Every other output
+    (step counters, metrics, anything coupling stages) is computed replicated over all
+    devices. An input lives where the output that updates it lives.
+    """
+    step = self._step
+    jaxpr = step.closed_jaxpr.jaxpr
     eqn = jaxpr.eqns[self._index]
-    full = self._full
+    loss = self._loss
+    num_aux = loss.kinds.count(capture.AUX)
+    readers = [set() for _ in eqn.invars]
+    for s, st in enumerate(self.stages):
+      for p in st.operands:
+        readers[p].add(s)
+    deps = {v: {j} for j, v in enumerate(eqn.outvars)}
+    for i, e in enumerate(jaxpr.eqns):
+      if i != self._index:
+        union = set().union(*[deps.get(v, set()) for v in e.invars
+                              if not isinstance(v, jex.Literal)])
+        for v in e.outvars:
+          deps[v] = union
+    owners = []
+    for v in jaxpr.outvars:
+      stages, shared = set(), isinstance(v, jex.Literal) or not deps.get(v)
+      for j in deps.get(v, set()) if not isinstance(v, jex.Literal) else ():
+        if loss.kinds[j] == capture.GRAD:
+          stages |= readers[loss.num_consts + j - 1 - num_aux]
+        else:
+          shared = True
+      owners.append(next(iter(stages)) if len(stages) == 1 and not shared else None)
+    homes = [NamedSharding(st.mesh.mesh, PartitionSpec()) for st in self.stages] + [self._full]
+    self._output_homes = [homes[-1 if o is None else o] for o in owners]
+    self._input_homes = [self._full] * len(step.inputs)
+    for o, src in enumerate(step.output_source):
+      if src is not None:
+        self._input_homes[src] = self._output_homes[o]
+    # A gradient lives on the stage that reads its operand, if only one does.
+    self._result_homes = []
+    for j, kind in enumerate(loss.kinds):
+      r = readers[loss.num_consts + j - 1 - num_aux] if kind == capture.GRAD else ()
+      self._result_homes.append(homes[next(iter(r))] if len(r) == 1 else self._full)
+    direct = set(jaxpr.invars)
+    computed = [v for v in eqn.invars if v not in direct and not isinstance(v, jex.Literal)]
+    self._pre = self._program(computed, self._full) if computed else None
+    self._applies = []
+    for home in homes:
+      writes = [v for v, h in zip(jaxpr.outvars, self._output_homes) if h is home]
+      if writes:
+        self._applies.append(self._program(writes, home))
 
-    def pre(*leaves):
-      env = dict(zip(jaxpr.constvars, closed.consts))
-      env.update(zip(jaxpr.invars, leaves))
-      jaxpr_util.eval_eqns(jaxpr, env, self._pre_ids)
-      return [jaxpr_util.read(env, v) for v in eqn.invars]
-
-    def apply(leaves, results):
-      env = dict(zip(jaxpr.constvars, closed.consts))
-      env.update(zip(jaxpr.invars, leaves))
-      jaxpr_util.eval_eqns(jaxpr, env, self._pre_ids | self._apply_ids | {self._index},
-                           substitute={self._index: results})
-      return [jaxpr_util.read(env, v) for v in jaxpr.outvars]
-
-    in_avals = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=full)
-                for leaf in self._step.inputs]
-    self._pre = jax.jit(pre, out_shardings=full).lower(*in_avals).compile()
-    result_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=full)
-                    for v in eqn.outvars]
-    self._apply = jax.jit(apply, out_shardings=full).lower(in_avals, result_avals).compile()
-
-    k = self._k
+  def _compile_stages(self):
     loss_jaxpr = self._loss.closed.jaxpr
     self._fns = []
     for stage in self.stages:
@@ -313,17 +376,15 @@ class PipelineExecutable:
       n = stage.mesh.num_devices
       mesh = stage.mesh.mesh
 
-      def aval(v, micro):
+      def aval(v, split):
         shape = tuple(v.aval.shape)
-        spec = _split_dim0(shape, n) if micro else PartitionSpec()
+        spec = _split_dim0(shape, n) if split else PartitionSpec()
         return jax.ShapeDtypeStruct(shape, v.aval.dtype, sharding=NamedSharding(mesh, spec))
 
+      # Micro-batch slices and activations split on dim 0; parameters and the rest replicated.
       ops = [aval(loss_jaxpr.invars[p], self._batch_operand[p]) for p in stage.operands]
-      acts_in = [aval(v, False) for v in stage.acts_in]
-      acts_in = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(
-          mesh, _split_dim0(a.shape, n))) for a in acts_in]
-      acts_out = [jax.ShapeDtypeStruct(tuple(v.aval.shape), v.aval.dtype, sharding=NamedSharding(
-          mesh, _split_dim0(tuple(v.aval.shape), n))) for v in stage.acts_out]
+      acts_in = [aval(v, True) for v in stage.acts_in]
+      acts_out = [aval(v, True) for v in stage.acts_out]
       stage.forward = jax.jit(forward, out_shardings=[a.sharding for a in acts_out]).lower(
           ops, acts_in).compile()
       cots = [acts_out[p] for p in float_out]
@@ -344,11 +405,21 @@ class PipelineExecutable:
 
   def call_flat(self, leaves):
     """Runs one step on the flat dynamic leaves; returns the output pytree."""
-    placed = [place(x, self._full) for x in leaves]
-    operands = self._pre(*placed)
-    results = self._run_pipeline(operands)
-    out = self._apply(placed, results)
+    jaxpr = self._step.closed_jaxpr.jaxpr
+    eqn = jaxpr.eqns[self._index]
+    values = dict(zip(jaxpr.invars, [place(x, h) for x, h in zip(leaves, self._input_homes)]))
+    if self._pre is not None:
+      values.update(zip(self._pre.writes, self._run_program(self._pre, values)))
+    values.update(zip(eqn.outvars, self._run_pipeline([jaxpr_util.read(values, v)
+                                                        for v in eqn.invars])))
+    for program in self._applies:
+      values.update(zip(program.writes, self._run_program(program, values)))
+    out = [jaxpr_util.read(values, v) for v in jaxpr.outvars]
     return tree_util.tree_unflatten(self._step.out_tree, out)
+
+  @staticmethod
+  def _run_program(program: Program, values: dict) -> list:
+    return program.compiled(*[place(values[v], program.sharding) for v in program.reads])
 
   def _run_pipeline(self, operands):
     loss, k = self._loss, self._k
@@ -410,32 +481,47 @@ class PipelineExecutable:
       dispatched += ins.kind in (FORWARD, BACKWARD)
     self.stats = {"max_in_flight": peak, "dispatched": dispatched,
                   "dispatch_s": time.perf_counter() - start}
-    grads = [None] * len(jaxpr.invars)  # a leaf read by several stages: their sums added
+    # A gradient stays on the stage that reads its operand; if several stages read it,
+    # their sums are added where its result lives (all devices).
+    num_aux = loss.kinds.count(capture.AUX)
+    home = {loss.num_consts + j - 1 - num_aux: h
+            for j, (kind, h) in enumerate(zip(loss.kinds, self._result_homes))
+            if kind == capture.GRAD}
+    grads = {}
     for s, sums in accumulated.items():
       for p, g in zip(self._fns[s][3], sums):
         pos = self.stages[s].operands[p]
-        g = jax.device_put(g, self._full)
-        grads[pos] = g if grads[pos] is None else grads[pos] + g
+        g = place(g, home[pos])
+        grads[pos] = g if pos not in grads else grads[pos] + g
     results = []
     for i, kind in enumerate(loss.kinds):
       if kind == capture.GRAD:
-        pos = loss.num_consts + (i - 1 - loss.kinds.count(capture.AUX))
-        g = grads[pos]
+        pos = loss.num_consts + i - 1 - num_aux
         v = jaxpr.invars[pos]
-        results.append(jnp.zeros(v.aval.shape, v.aval.dtype) if g is None else g)
+        results.append(grads[pos] if pos in grads
+                       else jax.device_put(jnp.zeros(v.aval.shape, v.aval.dtype), home[pos]))
         continue
       parts = [jax.device_put(outputs[b, i], self._full) for b in range(k)]
       total = sum(parts[1:], parts[0])
       results.append(total / k if jnp.issubdtype(total.dtype, jnp.inexact) else total)
-    return [jax.device_put(r, self._full) for r in results]
+    return results
+
+  def gather(self, tree):
+    """``tree`` (a state this step returned) with every array replicated over all the
+    method's devices: one global layout, for checkpointing (orbax) or evaluation."""
+    return jax.tree.map(lambda x: place(x, self._full) if isinstance(x, jax.Array) else x, tree)
 
   # ---- introspection --------------------------------------------------------------------
 
   def _programs(self):
-    return [self._pre] + [p for st in self.stages for p in (st.forward, st.backward)] + [self._apply]
+    return ([self._pre.compiled] if self._pre else []) + [
+        p for st in self.stages for p in (st.forward, st.backward)] + [
+            a.compiled for a in self._applies]
 
   def get_hlo_text(self) -> list[str]:
-    """One HLO text per program: pre, then each stage's forward and backward, then apply."""
+    """One HLO text per program: pre (if the loss's inputs need computing), each stage's
+    forward and backward, then the updates
+    (one per stage holding state, and one over all devices for what no stage owns)."""
     return [p.as_text() for p in self._programs()]
 
   def memory_analysis(self) -> list:
@@ -453,7 +539,8 @@ class PipelineExecutable:
     """Collectives inside the programs for one step (stage programs × micro-batches);
     transfers between sub-meshes (``device_put``) are not collectives and not counted."""
     total: dict[str, hlo_inspect.CollectiveStats] = {}
-    times = [1] + [self._k] * (2 * len(self.stages)) + [1]
+    times = ([1] if self._pre else []) + [self._k] * (2 * len(self.stages)) + [1] * len(
+        self._applies)
     for text, n in zip(self.get_hlo_text(), times):
       for kind, stats in hlo_inspect.collective_summary(text).items():
         scaled = hlo_inspect.CollectiveStats(stats.count * n, stats.result_bytes * n,
