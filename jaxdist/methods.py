@@ -256,11 +256,15 @@ class PipeshardParallel(Method):
     num_micro_batches: micro-batches per step (the batch must divide by it).
     layer_option: ``"manual"`` (cut at ``jaxdist.mark_pipeline_boundary()`` calls in the
       differentiated function) or a ``jaxdist.AutoLayerOption``.
-    stage_option: ``"uniform"``, a :class:`UniformStageOption` or a
+    stage_option: ``"uniform"``, ``"auto"`` (Alpa's stage DP over layer ranges and
+      sub-mesh sizes, see ``jaxdist.pipeline.stages``), a :class:`UniformStageOption` or a
       :class:`ManualStageOption`.
     pipeline_schedule: ``"1f1b"`` or ``"gpipe"``.
-    default_auto_sharding_option: reserved for per-stage ShardParallel plans (each stage
-      is data parallel over its sub-mesh for now).
+    max_pipeline_bubble_ratio: for ``"auto"``, nnScaler's cap on the number of stages
+      ``s <= floor(b / (1 - b) * num_micro_batches + 1)``; None: no cap.
+    default_auto_sharding_option: its ``memory_budget_per_device`` bounds the ``"auto"``
+      stage search; per-stage ShardParallel plans are to come (each stage is data
+      parallel over its sub-mesh for now).
   """
 
   devices: Any = None
@@ -270,6 +274,7 @@ class PipeshardParallel(Method):
   stage_option: Any = "uniform"
   pipeline_schedule: str = "1f1b"
   default_auto_sharding_option: AutoShardingOption | None = None
+  max_pipeline_bubble_ratio: float | None = None
 
   def _validate(self):
     Method._validate(self)
@@ -280,12 +285,15 @@ class PipeshardParallel(Method):
       raise errors.InvalidArgumentError(
           f"PipeshardParallel(layer_option={self.layer_option!r}): use 'manual' or "
           f"jaxdist.AutoLayerOption(layer_num=...).")
-    if (self.stage_option != "uniform"
+    if (self.stage_option not in ("uniform", "auto")
         and not isinstance(self.stage_option, (UniformStageOption, ManualStageOption))):
       raise errors.InvalidArgumentError(
-          f"PipeshardParallel(stage_option={self.stage_option!r}): use 'uniform', "
-          f"jaxdist.UniformStageOption(...) or jaxdist.ManualStageOption(...) (the 'auto' stage "
-          f"search is not built yet).")
+          f"PipeshardParallel(stage_option={self.stage_option!r}): use 'uniform', 'auto', "
+          f"jaxdist.UniformStageOption(...) or jaxdist.ManualStageOption(...).")
+    ratio = self.max_pipeline_bubble_ratio
+    if ratio is not None and not 0 < ratio < 1:
+      raise errors.InvalidArgumentError(
+          f"PipeshardParallel(max_pipeline_bubble_ratio={ratio!r}) must be in (0, 1), or None.")
     if self.pipeline_schedule not in SCHEDULES:
       raise errors.InvalidArgumentError(
           f"PipeshardParallel(pipeline_schedule={self.pipeline_schedule!r}) is not a known "

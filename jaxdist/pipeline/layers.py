@@ -96,7 +96,7 @@ def mark_pipeline_boundary() -> None:
   boundary_p.bind()
 
 
-def _bytes(v) -> float:
+def var_bytes(v) -> float:
   aval = v.aval
   return float(math.prod(getattr(aval, "shape", ())) * getattr(getattr(aval, "dtype", None),
                                                                 "itemsize", 4))
@@ -119,8 +119,8 @@ def crossing_bytes(jaxpr) -> np.ndarray:
   for i, eqn in enumerate(jaxpr.eqns):
     for v in eqn.outvars:
       if v in last and last[v] > i:
-        diff[i + 1] += _bytes(v)
-        diff[last[v] + 1] -= _bytes(v)
+        diff[i + 1] += var_bytes(v)
+        diff[last[v] + 1] -= var_bytes(v)
   return np.cumsum(diff)[:n + 1]
 
 

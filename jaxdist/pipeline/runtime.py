@@ -48,10 +48,13 @@ from jaxdist.executable import place
 from jaxdist.mesh import LogicalMesh
 from jaxdist.pipeline import capture, layers as layers_mod
 from jaxdist.pipeline.schedule import BACKWARD, FORWARD, Schedule, make_schedule
+from jaxdist.pipeline.stages import StagePlan, auto_stages
 from jaxdist.plan import Plan, PlanEntry
-from jaxdist.trace import BATCH, TracedStep
+from jaxdist.shard.cost import CostModel
+from jaxdist.trace import BATCH, OPTIMIZER, PARAM, TracedStep
 
 STAGE_AXIS = "stage_devices"
+PEAK_FLOPS = CostModel.peak_flops  # the shard planner's per-device compute rate
 
 
 @dataclasses.dataclass
@@ -119,6 +122,52 @@ def _layer_starts(method: m.PipeshardParallel, jaxpr) -> tuple[int, ...]:
   return layers_mod.cluster_layers(jaxpr, opt.layer_num, opt.eps).starts
 
 
+def _auto_stage_layout(method: m.PipeshardParallel, loss: capture.CapturedLoss, starts,
+                       lmesh: LogicalMesh, state_factor: float) -> StagePlan:
+  """Alpa's stage DP with an analytic cost per micro-batch of layers i..j-1 on n devices:
+
+      4 · flops / (n · PEAK_FLOPS)              forward, backward (2x), recompute
+      + [n > 1] (α + 2 β (n − 1)/n · P)         the stage's gradient all-reduce (P bytes)
+      + β · A                                   receiving its input activations (A bytes)
+
+  and a memory check: ``P · (state_factor + 1) + in_flight · A + W ≤ budget`` per device,
+  with W the bytes the stage's equations write for one micro-batch (the working set).
+  """
+  jaxpr = loss.closed.jaxpr
+  n_eqns = len(jaxpr.eqns)
+  ends = starts[1:] + (n_eqns,)
+  cross = layers_mod.crossing_bytes(jaxpr)
+  params = set(jaxpr.invars[loss.num_consts:])
+  flops, param_vars, written = [], [], []
+  for a, b in zip(starts, ends):
+    eqns = jaxpr.eqns[a:b]
+    flops.append(sum(jaxpr_util.eqn_flops(e) for e in eqns))
+    param_vars.append({v for e in eqns for v in e.invars
+                       if not isinstance(v, jex.Literal) and v in params})
+    written.append(sum(layers_mod.var_bytes(v) for e in eqns for v in e.outvars))
+  alpha, beta = lmesh.alpha[0], lmesh.beta[0]
+  k = method.num_micro_batches or 1
+
+  def param_bytes(i, j):
+    return sum(layers_mod.var_bytes(v) for v in set().union(*param_vars[i:j]))
+
+  def cost(i, j, n):
+    p = param_bytes(i, j)
+    reduce = alpha + 2 * beta * (n - 1) / n * p if n > 1 else 0.0
+    return 4 * sum(flops[i:j]) / (n * PEAK_FLOPS) + reduce + beta * cross[starts[i]]
+
+  opt = method.default_auto_sharding_option
+  budget = opt.memory_budget_per_device if opt is not None else None
+
+  def fits(i, j, n, in_flight):
+    need = (param_bytes(i, j) * (state_factor + 1) + in_flight * cross[starts[i]] / n
+            + sum(written[i:j]) / n)
+    return need <= budget
+
+  return auto_stages(cost, len(starts), lmesh.num_devices, k, fits=fits if budget else None,
+                     max_bubble_ratio=method.max_pipeline_bubble_ratio)
+
+
 def _stage_layout(method: m.PipeshardParallel, num_layers: int, lmesh: LogicalMesh):
   """Per stage (first layer, last layer + 1) and its device count."""
   n = lmesh.num_devices
@@ -152,12 +201,22 @@ def _stage_layout(method: m.PipeshardParallel, num_layers: int, lmesh: LogicalMe
   return list(zip(bounds, bounds[1:])), [n // num_stages] * num_stages
 
 
-def build_stages(method: m.PipeshardParallel, loss: capture.CapturedLoss,
-                 lmesh: LogicalMesh) -> tuple[list[Stage], tuple[int, ...]]:
-  """Cuts the loss into layers and stages; returns the stages and the layer starts."""
+def build_stages(method: m.PipeshardParallel, loss: capture.CapturedLoss, lmesh: LogicalMesh,
+                 state_factor: float = 1.0):
+  """Cuts the loss into layers and stages.
+
+  Returns the stages, the layer starts and, for ``stage_option="auto"``, the
+  :class:`~jaxdist.pipeline.stages.StagePlan` with its predicted times (else None).
+  ``state_factor``: bytes of state (parameters and optimizer state) per parameter byte.
+  """
   jaxpr = loss.closed.jaxpr
   starts = _layer_starts(method, jaxpr)
-  ranges, sizes = _stage_layout(method, len(starts), lmesh)
+  predicted = None
+  if method.stage_option == "auto":
+    predicted = _auto_stage_layout(method, loss, starts, lmesh, state_factor)
+    ranges, sizes = list(predicted.layer_ranges), list(predicted.submesh_sizes)
+  else:
+    ranges, sizes = _stage_layout(method, len(starts), lmesh)
   layer_ends = starts[1:] + (len(jaxpr.eqns),)
   skip = set(jaxpr_util.find_eqns(jaxpr, layers_mod.boundary_p.name))
   operand_index = {v: k for k, v in enumerate(jaxpr.invars)}
@@ -180,7 +239,7 @@ def build_stages(method: m.PipeshardParallel, loss: capture.CapturedLoss,
         acts_in=tuple(v for v in reads if v not in operand_index),
         acts_out=tuple(v for v in dict.fromkeys(v for i in ids for v in jaxpr.eqns[i].outvars)
                        if v in later and not isinstance(v, jex.DropVar))))
-  return stages, starts
+  return stages, starts, predicted
 
 
 def _stage_functions(loss: capture.CapturedLoss, stage: Stage):
@@ -272,7 +331,11 @@ class PipelineExecutable:
             f"shape {shape}, whose dim 0 does not divide into {k} micro-batches; use a batch "
             f"size that is a multiple of {k}.")
     self._lmesh = lmesh
-    self.stages, starts = build_stages(method, loss, lmesh)
+    state_bytes = {role: sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+                             for leaf in step.inputs if leaf.role == role)
+                   for role in (PARAM, OPTIMIZER)}
+    state_factor = 1 + state_bytes[OPTIMIZER] / max(state_bytes[PARAM], 1)
+    self.stages, starts, predicted = build_stages(method, loss, lmesh, state_factor)
     self.schedule: Schedule = make_schedule(method.pipeline_schedule, len(self.stages), k)
     self._full = NamedSharding(lmesh.mesh, PartitionSpec())
     self._compile_stages()
@@ -287,7 +350,10 @@ class PipelineExecutable:
                *(f"stage {s}: layers {st.layers[0]}..{st.layers[1] - 1}, {len(st.eqns)} "
                  f"equations, devices {[d.id for d in st.mesh.devices]}"
                  for s, st in enumerate(self.stages)),
-               f"schedule {self.schedule.name}: {self.schedule.num_clocks} clocks"))
+               f"schedule {self.schedule.name}: {self.schedule.num_clocks} clocks",
+               *([] if predicted is None else [
+                   f"auto stages: predicted {[f'{c:.3g}' for c in predicted.stage_costs]} s per "
+                   f"micro-batch, {predicted.step_time:.3g} s per step"])))
     self.auto_sharding_objective = None
     self.input_shardings = tree_util.tree_unflatten(step.in_tree, self._input_homes)
     self.output_shardings = tree_util.tree_unflatten(step.out_tree, self._output_homes)
