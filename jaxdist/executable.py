@@ -35,7 +35,8 @@ def place(x, sharding: NamedSharding, donated: bool = False):
   if jax.process_count() == 1:
     return jax.device_put(x, sharding)
   host = np.asarray(x)
-  return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+  return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index],
+                                      dtype=jax.dtypes.canonicalize_dtype(host.dtype))
 
 
 class Executable:

@@ -28,6 +28,7 @@ def test_two_process_data_parallel_matches_single_process():
   assert len(lines) == 1, proc.stdout[-3000:]
   result = json.loads(lines[0][len("[0] RESULT "):])
   assert result["processes"] == 2 and result["devices"] == 8
+  assert result["pipeshard_refused"]  # before any compute, with a typed error
   assert any(l.startswith("[1] mean") for l in proc.stdout.splitlines())  # both streamed
 
   # The same two steps, serial, in this process (see dp_worker.py).

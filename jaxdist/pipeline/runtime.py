@@ -298,6 +298,11 @@ class PipelineExecutable:
           "PipeshardParallel pipelines the function passed to jaxdist.grad / value_and_grad, "
           "which the step must call exactly once, at its top level (jitted helpers are fine; "
           "not inside a loop or cond). Use jaxdist.value_and_grad instead of jax's.")
+    if jax.process_count() > 1:
+      raise errors.InvalidArgumentError(
+          f"PipeshardParallel runs in one process for now (this job has "
+          f"{jax.process_count()}); use DataParallel, Zero2/3Parallel or ShardParallel across "
+          f"processes.")
     if jaxpr_util.count_primitive(jaxpr, layers_mod.boundary_p.name):
       raise errors.InvalidArgumentError(
           "jaxdist.mark_pipeline_boundary() is called outside the function passed to "
@@ -405,14 +410,22 @@ class PipelineExecutable:
                               if not isinstance(v, jex.Literal)])
         for v in e.outvars:
           deps[v] = union
+    # The loss value and aux live on the stage computing them (the last, usually).
+    producer = {v: s for s, st in enumerate(self.stages) for v in st.acts_out}
+    loss_outs = loss.closed.jaxpr.outvars
+    result_stages = []
+    for j, kind in enumerate(loss.kinds):
+      if kind == capture.GRAD:
+        result_stages.append(readers[loss.num_consts + j - 1 - num_aux])
+      else:
+        out = loss_outs[j]
+        result_stages.append({producer[out]} if out in producer else set())
     owners = []
     for v in jaxpr.outvars:
       stages, shared = set(), isinstance(v, jex.Literal) or not deps.get(v)
       for j in deps.get(v, set()) if not isinstance(v, jex.Literal) else ():
-        if loss.kinds[j] == capture.GRAD:
-          stages |= readers[loss.num_consts + j - 1 - num_aux]
-        else:
-          shared = True
+        stages |= result_stages[j]
+        shared |= not result_stages[j]
       owners.append(next(iter(stages)) if len(stages) == 1 and not shared else None)
     homes = [NamedSharding(st.mesh.mesh, PartitionSpec()) for st in self.stages] + [self._full]
     self._output_homes = [homes[-1 if o is None else o] for o in owners]
@@ -421,10 +434,8 @@ class PipelineExecutable:
       if src is not None:
         self._input_homes[src] = self._output_homes[o]
     # A gradient lives on the stage that reads its operand, if only one does.
-    self._result_homes = []
-    for j, kind in enumerate(loss.kinds):
-      r = readers[loss.num_consts + j - 1 - num_aux] if kind == capture.GRAD else ()
-      self._result_homes.append(homes[next(iter(r))] if len(r) == 1 else self._full)
+    self._result_homes = [homes[next(iter(r))] if len(r) == 1 else self._full
+                          for r in result_stages]
     direct = set(jaxpr.invars)
     computed = [v for v in eqn.invars if v not in direct and not isinstance(v, jex.Literal)]
     self._pre = self._program(computed, self._full) if computed else None
@@ -499,8 +510,7 @@ class PipelineExecutable:
       key = (s, b if any(self._batch_operand[p] for p in self.stages[s].operands) else None)
       if key not in stage_ops:
         shapes = self._fns[s][0]
-        stage_ops[key] = [jax.device_put(micro[p][b] if self._batch_operand[p] else operands[p],
-                                         a.sharding)
+        stage_ops[key] = [place(micro[p][b] if self._batch_operand[p] else operands[p], a.sharding)
                           for p, a in zip(self.stages[s].operands, shapes)]
       return stage_ops[key]
 
@@ -516,7 +526,7 @@ class PipelineExecutable:
       ops_avals, in_avals, out_avals, diff, float_in, float_out = self._fns[s]
       if ins.kind == FORWARD:
         ops = ops_for(s, b)
-        acts_in = [jax.device_put(acts[b, v], a.sharding) for v, a in zip(st.acts_in, in_avals)]
+        acts_in = [place(acts[b, v], a.sharding) for v, a in zip(st.acts_in, in_avals)]
         outs = st.forward(ops, acts_in)
         for v, x in zip(st.acts_out, outs):
           acts[b, v] = x
@@ -532,16 +542,15 @@ class PipelineExecutable:
           v, a = st.acts_out[p], out_avals[p]
           c = cots.pop((b, v), None)
           if v is jaxpr.outvars[0]:  # the loss value: d(mean over micro-batches)/d(value_b)
-            c = jnp.full(a.shape, 1.0 / k, a.dtype)
-          cot_out.append(jax.device_put(c if c is not None else jnp.zeros(a.shape, a.dtype),
-                                        a.sharding))
+            c = np.full(a.shape, 1.0 / k, a.dtype)
+          cot_out.append(place(c if c is not None else np.zeros(a.shape, a.dtype), a.sharding))
         if s not in accumulated:
           accumulated[s] = st.zeros()
         accumulated[s], act_cots = st.backward(ops, acts_in, cot_out, accumulated[s])
         for p, c in zip(float_in, act_cots):
           v = st.acts_in[p]
           target = self._fns[producer[v]][2][self.stages[producer[v]].acts_out.index(v)].sharding
-          c = jax.device_put(c, target)
+          c = place(c, target)
           cots[b, v] = c if (b, v) not in cots else cots[b, v] + c
         in_flight[s] -= 1
       dispatched += ins.kind in (FORWARD, BACKWARD)
@@ -565,9 +574,9 @@ class PipelineExecutable:
         pos = loss.num_consts + i - 1 - num_aux
         v = jaxpr.invars[pos]
         results.append(grads[pos] if pos in grads
-                       else jax.device_put(jnp.zeros(v.aval.shape, v.aval.dtype), home[pos]))
+                       else place(np.zeros(v.aval.shape, v.aval.dtype), home[pos]))
         continue
-      parts = [jax.device_put(outputs[b, i], self._full) for b in range(k)]
+      parts = [place(outputs[b, i], self._result_homes[i]) for b in range(k)]
       total = sum(parts[1:], parts[0])
       results.append(total / k if jnp.issubdtype(total.dtype, jnp.inexact) else total)
     return results
