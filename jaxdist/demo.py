@@ -10,9 +10,11 @@ import optax
 
 from jaxdist import methods as m
 from jaxdist.api import parallelize
+from jaxdist.grad import value_and_grad
 from jaxdist.inspect import total_wire_bytes
 from jaxdist.measure import time_steps
 from jaxdist.models import GPT, GPTConfig, create_state, lm_step, token_batch
+from jaxdist.pipeline.layers import AutoLayerOption
 
 DEMO_CONFIG = GPTConfig(vocab=512, width=128, heads=4, depth=2, seq_len=64)
 
@@ -27,7 +29,8 @@ class DemoRow:
 
 
 def available_methods() -> list[m.Method]:
-  return [m.DataParallel(), m.Zero2Parallel(), m.Zero3Parallel(), m.ShardParallel()]
+  return [m.DataParallel(), m.Zero2Parallel(), m.Zero3Parallel(), m.ShardParallel(),
+          m.PipeshardParallel(num_micro_batches=4, layer_option=AutoLayerOption(layer_num=4))]
 
 
 def run(config: GPTConfig = DEMO_CONFIG, batch_size: int = 32, num_steps: int = 5):
@@ -43,7 +46,9 @@ def run(config: GPTConfig = DEMO_CONFIG, batch_size: int = 32, num_steps: int = 
   _, serial_metrics = jax.jit(lm_step())(make_state(), batch)
   rows = []
   for method in available_methods():
-    step = parallelize(lm_step(), method=method)
+    # A pipeline differentiates by stages: it needs jaxdist.value_and_grad's marker.
+    pipelined = isinstance(method, m.PipeshardParallel)
+    step = parallelize(lm_step(value_and_grad) if pipelined else lm_step(), method=method)
     state = make_state()
     exe = step.get_executable(state, batch)
     state, metrics = step(state, batch)
@@ -52,6 +57,8 @@ def run(config: GPTConfig = DEMO_CONFIG, batch_size: int = 32, num_steps: int = 
     name = method.name
     if exe.plan.objective is not None:
       name += f" {'x'.join(map(str, exe.plan.mesh_shape))}"
+    if pipelined:
+      name = f"Pipeshard {len(exe.stages)} stages"
     rows.append(DemoRow(name, seconds, exe.get_total_allocation_size(),
                         total_wire_bytes(exe.communication()), first_loss))
   return rows, float(serial_metrics["loss"])
