@@ -158,13 +158,15 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
   grad_marker_eqn = grad_jaxpr.eqns[split.grad_marker]
   num_shards = math.prod(mesh.shape[a] for a in batch_axes)
   k = num_micro_batches
-  axes = batch_axes if len(batch_axes) > 1 else batch_axes[0] if batch_axes else None
+  # The axis name(s) of the shard_map's collectives; None: no shard_map (batch not split).
+  axes = (batch_axes[0] if len(batch_axes) == 1 else batch_axes) if batch_axes else None
   is_batch = [step.inputs[i].role == BATCH for i in split.grad_inputs]
   grad_after = apply_after = None
   if eqn_constraints:
     apply_after = jaxpr_util.constraint_hook(mesh, eqn_constraints)
-    grad_after = jaxpr_util.constraint_hook(
-        None if batch_axes else mesh, local_constraints(step, split, eqn_constraints, batch_axes, dict(mesh.shape)))
+    inside = local_constraints(step, split, eqn_constraints, batch_axes, dict(mesh.shape))
+    # Inside the shard_map the specs are bare: they refer to the region's abstract mesh.
+    grad_after = jaxpr_util.constraint_hook(None if batch_axes else mesh, inside)
 
   def grads_one(values):
     env = dict(zip(grad_jaxpr.constvars, split.grad_jaxpr.consts))

@@ -4,7 +4,9 @@ The marker is an identity primitive over the results (value, aux and gradient
 leaves). While jaxdist traces a step, the method's ``recompute_modules`` is applied to
 the function being differentiated (``jaxdist.recompute``). It tells the planner where "compute gradients" ends and "apply gradients"
 begins, so that gradients can be accumulated over micro-batches and reduced across
-devices once per step. Outside ``jaxdist.parallelize`` it is a plain identity.
+devices once per step. Outside ``jaxdist.parallelize`` it is a plain identity. Under
+``PipeshardParallel`` the function is not differentiated while the step is traced: it is
+captured as one equation that the pipeline runs stage by stage (``jaxdist.pipeline.capture``).
 """
 
 from __future__ import annotations
@@ -12,23 +14,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import jax
-from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
 
+from jaxdist.jaxpr_util import IDENTITY_MARKER, identity_marker
 from jaxdist.pipeline import capture
 from jaxdist.recompute import with_recompute
 
-VALUE, AUX, GRAD = "value", "aux", "grad"
+VALUE, AUX, GRAD = capture.VALUE, capture.AUX, capture.GRAD
 
-grad_marker_p = Primitive("jaxdist_grad_marker")
-grad_marker_p.multiple_results = True
-grad_marker_p.def_impl(lambda *xs, kinds: list(xs))
-grad_marker_p.def_abstract_eval(lambda *avals, kinds: list(avals))
-mlir.register_lowering(grad_marker_p, lambda ctx, *xs, kinds: list(xs))
-batching.primitive_batchers[grad_marker_p] = (
-    lambda args, dims, kinds: (grad_marker_p.bind(*args, kinds=kinds), dims))
-ad.primitive_jvps[grad_marker_p] = (
-    lambda primals, tangents, kinds: (grad_marker_p.bind(*primals, kinds=kinds), list(tangents)))
+grad_marker_p = identity_marker(IDENTITY_MARKER)
 
 
 def _mark(value, aux, grads, has_value: bool, has_aux: bool):

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import jax.extend.core as jex
+from jax.interpreters import ad, batching, mlir
 
 # jaxdist's gradient marker: an identity, dropped when it is named in ``inline``.
 IDENTITY_MARKER = "jaxdist_grad_marker"
@@ -18,6 +19,20 @@ CALLS = ("jit", "pjit", "closed_call", "core_call")
 # What the shard planner inlines: after differentiation a custom_jvp/custom_vjp call is
 # just its primal function.
 PLAN_CALLS = CALLS + ("custom_jvp_call", "custom_vjp_call")
+
+
+def identity_marker(name: str) -> jex.Primitive:
+  """An identity primitive over any number of values that marks a place in a jaxpr: it
+  lowers to nothing, batches value by value, and tangents pass through it unmarked."""
+  p = jex.Primitive(name)
+  p.multiple_results = True
+  p.def_impl(lambda *xs, **params: list(xs))
+  p.def_abstract_eval(lambda *avals, **params: list(avals))
+  mlir.register_lowering(p, lambda ctx, *xs, **params: list(xs))
+  batching.primitive_batchers[p] = lambda args, dims, **params: (p.bind(*args, **params), dims)
+  ad.primitive_jvps[p] = (
+      lambda primals, tangents, **params: (p.bind(*primals, **params), list(tangents)))
+  return p
 
 
 def read(env, v):

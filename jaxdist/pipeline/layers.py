@@ -38,15 +38,7 @@ batching.primitive_batchers[boundary_p] = lambda args, dims: ([], [])
 ad.primitive_jvps[boundary_p] = lambda primals, tangents: (boundary_p.bind(), [])
 
 # The values crossing into layer ``layer``: an identity (tangents pass through unmarked).
-layer_marker_p = jex.Primitive("jaxdist_layer_marker")
-layer_marker_p.multiple_results = True
-layer_marker_p.def_impl(lambda *xs, layer: list(xs))
-layer_marker_p.def_abstract_eval(lambda *avals, layer: list(avals))
-mlir.register_lowering(layer_marker_p, lambda ctx, *xs, layer: list(xs))
-batching.primitive_batchers[layer_marker_p] = (
-    lambda args, dims, layer: (layer_marker_p.bind(*args, layer=layer), dims))
-ad.primitive_jvps[layer_marker_p] = (
-    lambda primals, tangents, layer: (layer_marker_p.bind(*primals, layer=layer), list(tangents)))
+layer_marker_p = jaxpr_util.identity_marker(jaxpr_util.MARKERS[1])
 
 
 @dataclasses.dataclass(frozen=True)

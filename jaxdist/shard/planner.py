@@ -267,7 +267,8 @@ def memory_constraint(jaxpr, graph: StrategyGraph, step: TracedStep,
   alias = {}
   for eqn in jaxpr.eqns:
     if eqn.primitive.name in jaxpr_util.MARKERS:
-      alias.update((o, i) for i, o in zip(eqn.invars, eqn.outvars) if not isinstance(i, jex.Literal))
+      alias.update((o, i) for i, o in zip(eqn.invars, eqn.outvars)
+                   if not isinstance(i, jex.Literal))
   last_use = {}
   for i, eqn in enumerate(jaxpr.eqns):
     for v in eqn.invars:
