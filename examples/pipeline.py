@@ -32,3 +32,7 @@ for i in range(5):
 print("\n".join(exe.plan.notes))
 print(f"micro-batches held per stage (1F1B): {exe.stats['max_in_flight']}")
 print(f"largest program: {exe.get_total_allocation_size() / 1e6:.2f} MB/device")
+for r in exe.stage_report():
+  print(f"stage {r.stage}: layers {r.layers[0]}..{r.layers[1] - 1} on devices {r.devices}: "
+        f"forward {r.forward_s * 1e3:.1f} ms, backward {r.backward_s * 1e3:.1f} ms per "
+        f"micro-batch, {r.bytes_per_device / 1e6:.2f} MB/device")

@@ -47,6 +47,7 @@ def test_pipeline_matches_serial_twice_in_a_row(method, in_flight):
   first = to_host((p1, n1))
   actual = (first, to_host(exe(p1, batch)))
   assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6)
+  in_flight_given = in_flight is not None
   if in_flight is None:  # chosen by the stage DP: 1F1B's bound for what it chose
     assert any("auto stages: predicted" in note for note in exe.plan.notes), exe.plan.notes
     in_flight = [min(len(exe.stages) - s, 4) for s in range(len(exe.stages))]
@@ -60,6 +61,10 @@ def test_pipeline_matches_serial_twice_in_a_row(method, in_flight):
              if x.ndim}
     assert homes == set(stage_devices), homes
   assert len(exe.get_hlo_text()) == 2 * len(in_flight) + len(in_flight) + 1  # F/B, updates
+  report = exe.stage_report(repeats=1)
+  assert [r.layers for r in report] == [st.layers for st in exe.stages]
+  assert all(r.forward_s > 0 and r.backward_s > 0 and r.bytes_per_device > 0 for r in report)
+  assert all((r.predicted_s is None) == (in_flight_given) for r in report)
   gathered = exe.gather(p1)
   assert all(x.sharding.device_set == set(jax.devices()) for x in jax.tree.leaves(gathered))
   assert_trees_close(to_host(gathered), to_host(p1), rtol=0, atol=0)

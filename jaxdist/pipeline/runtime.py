@@ -84,6 +84,28 @@ class Stage:
 
 
 @dataclasses.dataclass(frozen=True)
+class StageReport:
+  """What one stage is and costs (``PipelineExecutable.stage_report()``).
+
+  Attributes:
+    stage: its index.
+    layers: (first layer, last layer + 1).
+    devices: ids of its sub-mesh's devices.
+    predicted_s: the stage search's seconds per micro-batch, or None.
+    forward_s, backward_s: measured seconds per micro-batch (backward recomputes forward).
+    bytes_per_device: of its larger program (arguments + outputs − aliased + temp).
+  """
+
+  stage: int
+  layers: tuple[int, int]
+  devices: tuple[int, ...]
+  predicted_s: float | None
+  forward_s: float
+  backward_s: float
+  bytes_per_device: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Program:
   """Equations of the step's jaxpr run as one jit, everything replicated on one mesh.
 
@@ -341,6 +363,7 @@ class PipelineExecutable:
                    for role in (PARAM, OPTIMIZER)}
     state_factor = 1 + state_bytes[OPTIMIZER] / max(state_bytes[PARAM], 1)
     self.stages, starts, predicted = build_stages(method, loss, lmesh, state_factor)
+    self._predicted = predicted
     self.schedule: Schedule = make_schedule(method.pipeline_schedule, len(self.stages), k)
     self._full = NamedSharding(lmesh.mesh, PartitionSpec())
     self._compile_stages()
@@ -580,6 +603,36 @@ class PipelineExecutable:
       total = sum(parts[1:], parts[0])
       results.append(total / k if jnp.issubdtype(total.dtype, jnp.inexact) else total)
     return results
+
+  def stage_report(self, repeats: int = 3) -> list[StageReport]:
+    """Per stage: its layers and devices, the stage search's predicted seconds per
+    micro-batch (``stage_option="auto"``; else None), its forward and backward measured
+    here (median of ``repeats`` runs on zeros of the micro-batch shapes) and the bytes per
+    device of its larger program."""
+    reports = []
+    for s, st in enumerate(self.stages):
+      ops, acts_in, acts_out, diff, _, float_out = self._fns[s]
+      zeros = lambda avals: [place(np.zeros(a.shape, a.dtype), a.sharding) for a in avals]
+      args = (zeros(ops), zeros(acts_in))
+      cots = zeros([acts_out[p] for p in float_out])
+
+      def timed(run):
+        times = []
+        for _ in range(repeats + 1):  # the first run warms up
+          start = time.perf_counter()
+          jax.block_until_ready(run())
+          times.append(time.perf_counter() - start)
+        return float(np.median(times[1:]))
+
+      memory = max(int(a.argument_size_in_bytes + a.output_size_in_bytes
+                       - a.alias_size_in_bytes + a.temp_size_in_bytes)
+                   for a in (st.forward.memory_analysis(), st.backward.memory_analysis()))
+      reports.append(StageReport(
+          s, st.layers, tuple(d.id for d in st.mesh.devices),
+          None if self._predicted is None else self._predicted.stage_costs[s],
+          timed(lambda: st.forward(*args)),
+          timed(lambda: st.backward(*args, cots, st.zeros())), memory))
+    return reports
 
   def gather(self, tree):
     """``tree`` (a state this step returned) with every array replicated over all the
