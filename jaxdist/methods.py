@@ -225,7 +225,8 @@ class UniformStageOption:
   Attributes:
     num_stages: how many stages; None: the largest number that divides the device count
       and is at most the number of layers.
-    submesh_shape: unused for now (each stage's sub-mesh is 1-D, devices / num_stages).
+    submesh_shape: checked against devices / num_stages when given (a stage's sub-mesh is
+      1-D for now, so only its device count matters).
   """
 
   num_stages: int | None = None

@@ -106,6 +106,9 @@ def test_pipeline_errors():
       step_fn, method=method).get_executable(make(), batch)
   with pytest.raises(errors.InvalidArgumentError, match=r"8 stages but only 6 layers"):
     run(jd.PipeshardParallel(stage_option=jd.UniformStageOption(num_stages=8)))
+  with pytest.raises(errors.InvalidArgumentError, match=r"submesh_shape=\(1, 2\).*have 4 each"):
+    run(jd.PipeshardParallel(stage_option=jd.UniformStageOption(num_stages=2,
+                                                                submesh_shape=(1, 2))))
   with pytest.raises(errors.InvalidArgumentError, match=r"3 equal sub-meshes do not tile the 8"):
     run(jd.PipeshardParallel(stage_option=jd.UniformStageOption(num_stages=3)))
   with pytest.raises(errors.InvalidArgumentError, match=r"submesh_shapes.*add up to the 8"):

@@ -1,8 +1,10 @@
 """PipeshardParallel: stages on sub-meshes and the driver that runs a schedule over them.
 
 The traced step (``jaxdist.pipeline.capture``) has one ``pipeline_loss`` equation. The
-equations before it (``pre``: computing the loss's inputs) and after it (``apply``:
-the optimizer update) run as jitted programs over all devices. The loss's forward jaxpr
+equations before it (``pre``: computing the loss's inputs) run as one jitted program over
+all devices; those after it (the optimizer update) run per stage on the stage's sub-mesh
+for the state that stage owns, and over all devices for the rest (see
+``PipelineExecutable._compile_programs``). The loss's forward jaxpr
 is cut into layers (``layers.py``), consecutive layers into stages, each on its own
 sub-mesh, and every stage gets two programs:
 
@@ -14,7 +16,8 @@ sub-mesh, and every stage gets two programs:
 
 The driver walks the schedule's instructions in clock order and issues each program
 through JAX's asynchronous dispatch, moving activations and cotangents between
-sub-meshes with ``jax.device_put``. Within a stage, batch-like values (micro-batch
+sub-meshes with ``jax.device_put``; stages are uniform, given by hand, or chosen by the
+stage search (``stages.py``). Within a stage, batch-like values (micro-batch
 slices and activations) are split on dim 0 over the stage's devices where it divides,
 and everything else is replicated: each stage is data parallel on its sub-mesh.
 
@@ -22,9 +25,8 @@ The loss and gradients are means over micro-batches (as with gradient accumulati
 the full-batch result for a loss that is a mean over examples); integer aux leaves are
 summed.
 
-Not yet: per-stage ShardParallel plans, state kept on its stage's sub-mesh between
-steps (state is replicated over all devices and the update runs once over them), the
-automatic stage search, and multi-process runs.
+Not yet: per-stage ShardParallel plans (so each stage's backward all-reduces its
+gradients every micro-batch), donation of the pipelined state, and multi-process runs.
 """
 
 from __future__ import annotations
@@ -219,6 +221,11 @@ def _stage_layout(method: m.PipeshardParallel, num_layers: int, lmesh: LogicalMe
     raise errors.InvalidArgumentError(
         f"PipeshardParallel: {num_stages} equal sub-meshes do not tile the {n} devices; use a "
         f"number of stages that divides {n}, or ManualStageOption.")
+  shape = opt.submesh_shape if isinstance(opt, m.UniformStageOption) else None
+  if shape is not None and math.prod(shape) != n // num_stages:
+    raise errors.InvalidArgumentError(
+        f"UniformStageOption(submesh_shape={shape!r}) has {math.prod(shape)} devices, but "
+        f"{num_stages} stages on {n} devices have {n // num_stages} each.")
   bounds = [round(i * num_layers / num_stages) for i in range(num_stages + 1)]
   return list(zip(bounds, bounds[1:])), [n // num_stages] * num_stages
 
@@ -300,13 +307,15 @@ class PipelineExecutable:
   """A step compiled for PipeshardParallel (see the module docstring).
 
   Attributes:
-    plan: the :class:`~jaxdist.plan.Plan` (stages, layers and sub-meshes in its notes).
+    plan: the :class:`~jaxdist.plan.Plan` (stages, layers and sub-meshes in its notes);
+      its input specs hold within each leaf's home (``input_shardings`` gives the home).
     stages: the :class:`Stage` list.
     schedule: the :class:`~jaxdist.pipeline.schedule.Schedule` the driver runs.
     stats: after a call, ``{"max_in_flight": per stage the most micro-batches whose
       inputs it held at once, "dispatched": stage programs issued, "dispatch_s": host
-      seconds the driver took to issue them}`` (dispatch is asynchronous: with the device
-      queue not full, that is the driver's own overhead).
+      seconds the driver took to issue them}`` (where programs run asynchronously that is
+      the driver's own overhead; XLA:CPU runs most of them synchronously, so there it
+      includes their compute).
     input_shardings, output_shardings: pytrees of ``NamedSharding``.
     auto_sharding_objective: None (no shard plan per stage yet).
   """
