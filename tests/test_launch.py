@@ -28,7 +28,6 @@ def test_two_process_data_parallel_matches_single_process():
   assert len(lines) == 1, proc.stdout[-3000:]
   result = json.loads(lines[0][len("[0] RESULT "):])
   assert result["processes"] == 2 and result["devices"] == 8
-  assert result["pipeshard_refused"]  # before any compute, with a typed error
   assert any(l.startswith("[1] mean") for l in proc.stdout.splitlines())  # both streamed
 
   # The same two steps, serial, in this process (see dp_worker.py).
@@ -44,6 +43,27 @@ def test_two_process_data_parallel_matches_single_process():
   for name in ("dp", "zero2_k2"):
     np.testing.assert_allclose(result[name]["losses"], losses, rtol=1e-5, err_msg=name)
     np.testing.assert_allclose(result[name]["kernel_sum"], kernel_sum, rtol=1e-5, err_msg=name)
+
+
+def test_two_process_pipeline_with_one_stage_per_process_matches_serial():
+  proc = _launch(sys.executable, os.path.join(HERE, "pipeline_worker.py"))
+  assert proc.returncode == 0, proc.stdout[-3000:]
+  # The loss lives on the last stage, whose devices are process 1's.
+  lines = [l for l in proc.stdout.splitlines() if l.startswith("[1] RESULT ")]
+  assert len(lines) == 1, proc.stdout[-3000:]
+  result = json.loads(lines[0][len("[1] RESULT "):])
+  assert result["stage_processes"] == [[0], [1]]
+
+  config = models.GPTConfig(vocab=64, width=16, heads=2, depth=2, seq_len=16)
+  batch = models.token_batch(16, config)
+  state = models.create_state(models.GPT(config), batch["tokens"][:, :-1],
+                              tx=optax.sgd(0.1, momentum=0.9))
+  step = jax.jit(models.lm_step())
+  losses = []
+  for _ in range(2):
+    state, metrics = step(state, batch)
+    losses.append(float(metrics["loss"]))
+  np.testing.assert_allclose(result["losses"], losses, rtol=1e-5)
 
 
 def test_a_failing_process_fails_the_launch():

@@ -25,8 +25,11 @@ The loss and gradients are means over micro-batches (as with gradient accumulati
 the full-batch result for a loss that is a mean over examples); integer aux leaves are
 summed.
 
+Every process of a ``jax.distributed`` job runs the same driver; stages may sit on
+different processes (see :func:`move` for what crosses them).
+
 Not yet: per-stage ShardParallel plans (so each stage's backward all-reduces its
-gradients every micro-batch), donation of the pipelined state, and multi-process runs.
+gradients every micro-batch), and donation of the pipelined state.
 """
 
 from __future__ import annotations
@@ -122,6 +125,43 @@ class Program:
   writes: tuple
   sharding: NamedSharding
   compiled: object
+
+
+def move(x, target: NamedSharding):
+  """``x`` in ``target``, for a value the driver produced, in every process of a job.
+
+  One process: ``place``. Several (each runs the same driver, so each calls this for
+  every move, in the same order):
+
+  - a value replicated over *all* devices: every process has a copy, and builds its own
+    shards of ``target`` from it (no transfer);
+  - a value on a sub-mesh: ``jax.device_put`` to a sub-mesh of as many devices, JAX's
+    cross-host transfer, which both processes must issue;
+  - a process holding neither end: an empty placeholder of the target.
+
+  Raises:
+    InvalidArgumentError: a cross-process move between sub-meshes of unequal size, or
+      from a sub-mesh to all devices.
+  """
+  if not isinstance(x, jax.Array) or jax.process_count() == 1:
+    return place(x, target)
+  if x.sharding == target:
+    return x
+  here = set(jax.local_devices())
+  src, dst = x.sharding.device_set, target.device_set
+  if not (src | dst) & here:
+    return jax.make_array_from_single_device_arrays(x.shape, target, [], dtype=x.dtype)
+  if x.sharding.is_fully_replicated and src == set(jax.devices()):
+    local = x.addressable_data(0)
+    shards = [jax.device_put(local[index], d)
+              for d, index in target.addressable_devices_indices_map(x.shape).items()]
+    return jax.make_array_from_single_device_arrays(x.shape, target, shards, dtype=x.dtype)
+  if len(src) != len(dst):
+    raise errors.InvalidArgumentError(
+        f"a multi-process pipeline cannot move a value from {len(src)} devices to {len(dst)}; "
+        f"give every stage as many devices (a stage per process, say) and no parameter to "
+        f"several stages.")
+  return jax.device_put(x, target)
 
 
 def _split_dim0(shape, n: int) -> PartitionSpec:
@@ -329,11 +369,6 @@ class PipelineExecutable:
           "PipeshardParallel pipelines the function passed to jaxdist.grad / value_and_grad, "
           "which the step must call exactly once, at its top level (jitted helpers are fine; "
           "not inside a loop or cond). Use jaxdist.value_and_grad instead of jax's.")
-    if jax.process_count() > 1:
-      raise errors.InvalidArgumentError(
-          f"PipeshardParallel runs in one process for now (this job has "
-          f"{jax.process_count()}); use DataParallel, Zero2/3Parallel or ShardParallel across "
-          f"processes.")
     if jaxpr_util.count_primitive(jaxpr, layers_mod.boundary_p.name):
       raise errors.InvalidArgumentError(
           "jaxdist.mark_pipeline_boundary() is called outside the function passed to "
@@ -377,6 +412,7 @@ class PipelineExecutable:
     self._full = NamedSharding(lmesh.mesh, PartitionSpec())
     self._compile_stages()
     self._compile_programs()
+    self._compile_slicer()
     self.stats: dict = {}
     self.plan = Plan(
         method=method.name, mesh_shape=lmesh.shape, axis_names=lmesh.axis_names,
@@ -477,6 +513,15 @@ class PipelineExecutable:
       if writes:
         self._applies.append(self._program(writes, home))
 
+  def _compile_slicer(self):
+    k = self._k
+    jaxpr = self._step.closed_jaxpr.jaxpr
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=self._full)
+             for v, b in zip(jaxpr.eqns[self._index].invars, self._batch_operand) if b]
+    split = lambda xs: [[x.reshape((k, x.shape[0] // k) + x.shape[1:])[i] for i in range(k)]
+                        for x in xs]
+    self._slicer = jax.jit(split, out_shardings=self._full).lower(avals).compile()
+
   def _compile_stages(self):
     loss_jaxpr = self._loss.closed.jaxpr
     self._fns = []
@@ -528,13 +573,15 @@ class PipelineExecutable:
 
   @staticmethod
   def _run_program(program: Program, values: dict) -> list:
-    return program.compiled(*[place(values[v], program.sharding) for v in program.reads])
+    return program.compiled(*[move(values[v], program.sharding) for v in program.reads])
 
   def _run_pipeline(self, operands):
     loss, k = self._loss, self._k
     jaxpr = loss.closed.jaxpr
-    micro = [jnp.reshape(x, (k, x.shape[0] // k) + x.shape[1:]) if b else None
-             for x, b in zip(operands, self._batch_operand)]
+    # One program over all devices slices every batch operand into its micro-batches
+    # (eager indexing of a global array is avoided: across processes it blocked).
+    sliced = iter(self._slicer([x for x, b in zip(operands, self._batch_operand) if b]))
+    micro = [next(sliced) if b else None for b in self._batch_operand]
     producer = {v: s for s, st in enumerate(self.stages) for v in st.acts_out}
     stage_ops = {}
 
@@ -542,7 +589,7 @@ class PipelineExecutable:
       key = (s, b if any(self._batch_operand[p] for p in self.stages[s].operands) else None)
       if key not in stage_ops:
         shapes = self._fns[s][0]
-        stage_ops[key] = [place(micro[p][b] if self._batch_operand[p] else operands[p], a.sharding)
+        stage_ops[key] = [move(micro[p][b] if self._batch_operand[p] else operands[p], a.sharding)
                           for p, a in zip(self.stages[s].operands, shapes)]
       return stage_ops[key]
 
@@ -558,7 +605,7 @@ class PipelineExecutable:
       ops_avals, in_avals, out_avals, diff, float_in, float_out = self._fns[s]
       if ins.kind == FORWARD:
         ops = ops_for(s, b)
-        acts_in = [place(acts[b, v], a.sharding) for v, a in zip(st.acts_in, in_avals)]
+        acts_in = [move(acts[b, v], a.sharding) for v, a in zip(st.acts_in, in_avals)]
         outs = st.forward(ops, acts_in)
         for v, x in zip(st.acts_out, outs):
           acts[b, v] = x
@@ -575,14 +622,14 @@ class PipelineExecutable:
           c = cots.pop((b, v), None)
           if v is jaxpr.outvars[0]:  # the loss value: d(mean over micro-batches)/d(value_b)
             c = np.full(a.shape, 1.0 / k, a.dtype)
-          cot_out.append(place(c if c is not None else np.zeros(a.shape, a.dtype), a.sharding))
+          cot_out.append(move(c if c is not None else np.zeros(a.shape, a.dtype), a.sharding))
         if s not in accumulated:
           accumulated[s] = st.zeros()
         accumulated[s], act_cots = st.backward(ops, acts_in, cot_out, accumulated[s])
         for p, c in zip(float_in, act_cots):
           v = st.acts_in[p]
           target = self._fns[producer[v]][2][self.stages[producer[v]].acts_out.index(v)].sharding
-          c = place(c, target)
+          c = move(c, target)
           cots[b, v] = c if (b, v) not in cots else cots[b, v] + c
         in_flight[s] -= 1
       dispatched += ins.kind in (FORWARD, BACKWARD)
@@ -598,7 +645,7 @@ class PipelineExecutable:
     for s, sums in accumulated.items():
       for p, g in zip(self._fns[s][3], sums):
         pos = self.stages[s].operands[p]
-        g = place(g, home[pos])
+        g = move(g, home[pos])
         grads[pos] = g if pos not in grads else grads[pos] + g
     results = []
     for i, kind in enumerate(loss.kinds):
@@ -606,9 +653,9 @@ class PipelineExecutable:
         pos = loss.num_consts + i - 1 - num_aux
         v = jaxpr.invars[pos]
         results.append(grads[pos] if pos in grads
-                       else place(np.zeros(v.aval.shape, v.aval.dtype), home[pos]))
+                       else move(np.zeros(v.aval.shape, v.aval.dtype), home[pos]))
         continue
-      parts = [place(outputs[b, i], self._result_homes[i]) for b in range(k)]
+      parts = [move(outputs[b, i], self._result_homes[i]) for b in range(k)]
       total = sum(parts[1:], parts[0])
       results.append(total / k if jnp.issubdtype(total.dtype, jnp.inexact) else total)
     return results
@@ -645,7 +692,8 @@ class PipelineExecutable:
 
   def gather(self, tree):
     """``tree`` (a state this step returned) with every array replicated over all the
-    method's devices: one global layout, for checkpointing (orbax) or evaluation."""
+    method's devices: one global layout, for checkpointing (orbax) or evaluation. One
+    process only (a sub-mesh to all devices is no cross-process move)."""
     return jax.tree.map(lambda x: place(x, self._full) if isinstance(x, jax.Array) else x, tree)
 
   # ---- introspection --------------------------------------------------------------------

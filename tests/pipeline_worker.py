@@ -1,0 +1,30 @@
+"""Run under `python -m jaxdist.launch` with 2 processes x 4 devices: a GPT pipelined in two
+stages, one per process (model boundaries, 1F1B, 2 micro-batches); the process holding the
+last stage prints the losses of two steps."""
+
+import json
+
+import jaxdist as jd
+
+jd.init_distributed()
+
+import jax  # noqa: E402
+import optax  # noqa: E402
+
+from jaxdist import models  # noqa: E402
+
+config = models.GPTConfig(vocab=64, width=16, heads=2, depth=2, seq_len=16, mark_boundaries=True)
+batch = models.token_batch(16, config)
+state = models.create_state(models.GPT(config), batch["tokens"][:, :-1],
+                            tx=optax.sgd(0.1, momentum=0.9))
+step = jd.parallelize(models.lm_step(jd.value_and_grad), method=jd.PipeshardParallel(
+    num_micro_batches=2, stage_option=jd.UniformStageOption(num_stages=2)))
+exe = step.get_executable(state, batch)
+losses = []
+for _ in range(2):
+  state, metrics = exe(state, batch)
+  if metrics["loss"].is_fully_addressable:  # on the last stage's process only
+    losses.append(float(metrics["loss"]))
+if losses:
+  stage_processes = [sorted({d.process_index for d in st.mesh.devices}) for st in exe.stages]
+  print("RESULT " + json.dumps({"losses": losses, "stage_processes": stage_processes}))
