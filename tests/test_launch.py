@@ -21,14 +21,20 @@ def _launch(*cmd, timeout=180):
                         capture_output=True, text=True, timeout=timeout + 30)
 
 
-def test_two_process_data_parallel_matches_single_process():
-  proc = _launch(sys.executable, os.path.join(HERE, "dp_worker.py"))
+def _result(worker: str, process: int) -> tuple[dict, str]:
+  """Launches ``worker`` on 2 processes; returns the JSON ``process`` printed, and stdout."""
+  proc = _launch(sys.executable, os.path.join(HERE, worker))
   assert proc.returncode == 0, proc.stdout[-3000:]
-  lines = [l for l in proc.stdout.splitlines() if l.startswith("[0] RESULT ")]
+  prefix = f"[{process}] RESULT "
+  lines = [l for l in proc.stdout.splitlines() if l.startswith(prefix)]
   assert len(lines) == 1, proc.stdout[-3000:]
-  result = json.loads(lines[0][len("[0] RESULT "):])
+  return json.loads(lines[0][len(prefix):]), proc.stdout
+
+
+def test_two_process_data_parallel_matches_single_process():
+  result, stdout = _result("dp_worker.py", 0)
   assert result["processes"] == 2 and result["devices"] == 8
-  assert any(l.startswith("[1] mean") for l in proc.stdout.splitlines())  # both streamed
+  assert any(l.startswith("[1] mean") for l in stdout.splitlines())  # both streamed
 
   # The same two steps, serial, in this process (see dp_worker.py).
   model = models.MLP(hidden=64, num_layers=2)
@@ -46,12 +52,7 @@ def test_two_process_data_parallel_matches_single_process():
 
 
 def test_two_process_pipeline_with_one_stage_per_process_matches_serial():
-  proc = _launch(sys.executable, os.path.join(HERE, "pipeline_worker.py"))
-  assert proc.returncode == 0, proc.stdout[-3000:]
-  # The loss lives on the last stage, whose devices are process 1's.
-  lines = [l for l in proc.stdout.splitlines() if l.startswith("[1] RESULT ")]
-  assert len(lines) == 1, proc.stdout[-3000:]
-  result = json.loads(lines[0][len("[1] RESULT "):])
+  result, _ = _result("pipeline_worker.py", 1)  # the loss lives on process 1's last stage
   assert result["stage_processes"] == [[0], [1]]
 
   config = models.GPTConfig(vocab=64, width=16, heads=2, depth=2, seq_len=16)

@@ -263,6 +263,22 @@ def automatic_layer_construction(fun=None, *, layer_num: int, remat_layer: bool 
   return run
 
 
+def manual_starts(jaxpr, owner: str) -> tuple[int, ...]:
+  """The first equation of each layer when ``jaxpr`` is cut at its boundary markers.
+
+  Raises:
+    InvalidArgumentError: ``jaxpr`` has no boundary marker (``owner`` names the caller).
+  """
+  marks = jaxpr_util.find_eqns(jaxpr, boundary_p.name)
+  if not marks:
+    raise errors.InvalidArgumentError(
+        f"{owner}: the function marks no layer boundary; call "
+        f"jaxdist.mark_pipeline_boundary() between layers of its forward pass (at its top "
+        f"level: not inside a jitted helper or a loop), or cut it automatically "
+        f"(jaxdist.automatic_layer_construction, AutoLayerOption).")
+  return tuple(dict.fromkeys([0] + [m + 1 for m in marks if m + 1 < len(jaxpr.eqns)]))
+
+
 def manual_layer_construction(fun=None, *, remat_layer: bool = False):
   """``fun`` split into layers at its :func:`mark_pipeline_boundary` calls.
 
@@ -274,14 +290,9 @@ def manual_layer_construction(fun=None, *, remat_layer: bool = False):
 
   def run(*args):
     closed, leaves, out_tree = _trace(fun, args)
+    starts = manual_starts(closed.jaxpr, f"manual_layer_construction("
+                           f"{getattr(fun, '__name__', fun)!r})")
     marks = jaxpr_util.find_eqns(closed.jaxpr, boundary_p.name)
-    if not marks:
-      raise errors.InvalidArgumentError(
-          f"manual_layer_construction({getattr(fun, '__name__', fun)!r}): the function marks "
-          f"no layer boundary; call jaxdist.mark_pipeline_boundary() between layers in its "
-          f"forward pass (at its top level: not inside a jitted helper or a loop), or use "
-          f"jaxdist.automatic_layer_construction.")
-    starts = tuple(dict.fromkeys([0] + [m + 1 for m in marks if m + 1 < len(closed.jaxpr.eqns)]))
     return out_tree.unflatten(run_layers(closed, leaves, starts, remat_layer, frozenset(marks)))
 
   return run

@@ -35,6 +35,7 @@ gradients every micro-batch), and donation of the pipelined state.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 
@@ -75,6 +76,11 @@ class Stage:
     acts_out: variables it computes that later stages or the loss outputs read.
     forward, backward, zeros: compiled programs (set when compiled): the backward adds
       a micro-batch's gradients to a donated accumulator, which ``zeros`` creates.
+    operand_avals, in_avals, out_avals: the programs' operands, activations in and out
+      (shapes and shardings on the sub-mesh; set when compiled).
+    diff: positions in ``operands`` of the float parameters it differentiates.
+    float_in, float_out: positions of float activations in and out (those with
+      cotangents).
   """
 
   layers: tuple[int, int]
@@ -86,6 +92,12 @@ class Stage:
   forward: object = None
   backward: object = None
   zeros: object = None
+  operand_avals: list = dataclasses.field(default_factory=list)
+  in_avals: list = dataclasses.field(default_factory=list)
+  out_avals: list = dataclasses.field(default_factory=list)
+  diff: list = dataclasses.field(default_factory=list)
+  float_in: list = dataclasses.field(default_factory=list)
+  float_out: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,14 +186,9 @@ def _is_float(aval) -> bool:
 
 def _layer_starts(method: m.PipeshardParallel, jaxpr) -> tuple[int, ...]:
   if method.layer_option == "manual":
-    marks = jaxpr_util.find_eqns(jaxpr, layers_mod.boundary_p.name)
-    if not marks:
-      raise errors.InvalidArgumentError(
-          "PipeshardParallel(layer_option='manual'): the function passed to jaxdist.grad / "
-          "value_and_grad marks no layer boundary; call jaxdist.mark_pipeline_boundary() "
-          "between layers of its forward pass, or use layer_option=jaxdist.AutoLayerOption("
-          "layer_num=...).")
-    return tuple(dict.fromkeys([0] + [i + 1 for i in marks if i + 1 < len(jaxpr.eqns)]))
+    return layers_mod.manual_starts(
+        jaxpr, "PipeshardParallel(layer_option='manual'), in the function passed to "
+        "jaxdist.grad / value_and_grad")
   opt = method.layer_option
   return layers_mod.cluster_layers(jaxpr, opt.layer_num, opt.eps).starts
 
@@ -212,6 +219,7 @@ def _auto_stage_layout(method: m.PipeshardParallel, loss: capture.CapturedLoss, 
   alpha, beta = lmesh.alpha[0], lmesh.beta[0]
   k = method.num_micro_batches or 1
 
+  @functools.lru_cache(maxsize=None)  # the DP asks for the same ranges many times
   def param_bytes(i, j):
     return sum(layers_mod.var_bytes(v) for v in set().union(*param_vars[i:j]))
 
@@ -524,7 +532,7 @@ class PipelineExecutable:
 
   def _compile_stages(self):
     loss_jaxpr = self._loss.closed.jaxpr
-    self._fns = []
+    self._act_shardings = {}  # an activation: where its producing stage keeps it
     for stage in self.stages:
       forward, backward, diff, float_in, float_out = _stage_functions(self._loss, stage)
       n = stage.mesh.num_devices
@@ -549,7 +557,9 @@ class PipelineExecutable:
           donate_argnums=(3,)).lower(ops, acts_in, cots, grads).compile()
       stage.zeros = jax.jit(lambda grads=grads: [jnp.zeros(g.shape, g.dtype) for g in grads],
                             out_shardings=[replicated] * len(diff)).lower().compile()
-      self._fns.append((ops, acts_in, acts_out, diff, float_in, float_out))
+      stage.operand_avals, stage.in_avals, stage.out_avals = ops, acts_in, acts_out
+      stage.diff, stage.float_in, stage.float_out = diff, float_in, float_out
+      self._act_shardings.update((v, a.sharding) for v, a in zip(stage.acts_out, acts_out))
 
   # ---- running ------------------------------------------------------------------------
 
@@ -582,15 +592,14 @@ class PipelineExecutable:
     # (eager indexing of a global array is avoided: across processes it blocked).
     sliced = iter(self._slicer([x for x, b in zip(operands, self._batch_operand) if b]))
     micro = [next(sliced) if b else None for b in self._batch_operand]
-    producer = {v: s for s, st in enumerate(self.stages) for v in st.acts_out}
     stage_ops = {}
 
     def ops_for(s, b):
       key = (s, b if any(self._batch_operand[p] for p in self.stages[s].operands) else None)
       if key not in stage_ops:
-        shapes = self._fns[s][0]
+        st = self.stages[s]
         stage_ops[key] = [move(micro[p][b] if self._batch_operand[p] else operands[p], a.sharding)
-                          for p, a in zip(self.stages[s].operands, shapes)]
+                          for p, a in zip(st.operands, st.operand_avals)]
       return stage_ops[key]
 
     acts, saved, cots, accumulated = {}, {}, {}, {}
@@ -602,10 +611,9 @@ class PipelineExecutable:
     start = time.perf_counter()
     for ins in self.schedule.instructions:
       s, b, st = ins.stage, ins.micro_batch, self.stages[ins.stage]
-      ops_avals, in_avals, out_avals, diff, float_in, float_out = self._fns[s]
       if ins.kind == FORWARD:
         ops = ops_for(s, b)
-        acts_in = [move(acts[b, v], a.sharding) for v, a in zip(st.acts_in, in_avals)]
+        acts_in = [move(acts[b, v], a.sharding) for v, a in zip(st.acts_in, st.in_avals)]
         outs = st.forward(ops, acts_in)
         for v, x in zip(st.acts_out, outs):
           acts[b, v] = x
@@ -617,8 +625,8 @@ class PipelineExecutable:
       elif ins.kind == BACKWARD:
         ops, acts_in = saved.pop((s, b))
         cot_out = []
-        for p in float_out:
-          v, a = st.acts_out[p], out_avals[p]
+        for p in st.float_out:
+          v, a = st.acts_out[p], st.out_avals[p]
           c = cots.pop((b, v), None)
           if v is jaxpr.outvars[0]:  # the loss value: d(mean over micro-batches)/d(value_b)
             c = np.full(a.shape, 1.0 / k, a.dtype)
@@ -626,10 +634,9 @@ class PipelineExecutable:
         if s not in accumulated:
           accumulated[s] = st.zeros()
         accumulated[s], act_cots = st.backward(ops, acts_in, cot_out, accumulated[s])
-        for p, c in zip(float_in, act_cots):
+        for p, c in zip(st.float_in, act_cots):
           v = st.acts_in[p]
-          target = self._fns[producer[v]][2][self.stages[producer[v]].acts_out.index(v)].sharding
-          c = move(c, target)
+          c = move(c, self._act_shardings[v])
           cots[b, v] = c if (b, v) not in cots else cots[b, v] + c
         in_flight[s] -= 1
       dispatched += ins.kind in (FORWARD, BACKWARD)
@@ -643,7 +650,7 @@ class PipelineExecutable:
             if kind == capture.GRAD}
     grads = {}
     for s, sums in accumulated.items():
-      for p, g in zip(self._fns[s][3], sums):
+      for p, g in zip(self.stages[s].diff, sums):
         pos = self.stages[s].operands[p]
         g = move(g, home[pos])
         grads[pos] = g if pos not in grads else grads[pos] + g
@@ -667,10 +674,9 @@ class PipelineExecutable:
     device of its larger program."""
     reports = []
     for s, st in enumerate(self.stages):
-      ops, acts_in, acts_out, diff, _, float_out = self._fns[s]
       zeros = lambda avals: [place(np.zeros(a.shape, a.dtype), a.sharding) for a in avals]
-      args = (zeros(ops), zeros(acts_in))
-      cots = zeros([acts_out[p] for p in float_out])
+      args = (zeros(st.operand_avals), zeros(st.in_avals))
+      cots = zeros([st.out_avals[p] for p in st.float_out])
 
       def timed(run):
         times = []
