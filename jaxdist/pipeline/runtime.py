@@ -52,7 +52,7 @@ from jaxdist import jaxpr_util
 from jaxdist import methods as m
 from jaxdist.executable import place
 from jaxdist.mesh import LogicalMesh
-from jaxdist.pipeline import capture, layers as layers_mod
+from jaxdist.pipeline import capture, layers as layers_mod, stage_shard
 from jaxdist.pipeline.schedule import BACKWARD, FORWARD, Schedule, make_schedule
 from jaxdist.pipeline.stages import StagePlan, auto_stages
 from jaxdist.plan import Plan, PlanEntry
@@ -95,9 +95,20 @@ class Stage:
   operand_avals: list = dataclasses.field(default_factory=list)
   in_avals: list = dataclasses.field(default_factory=list)
   out_avals: list = dataclasses.field(default_factory=list)
+  cot_avals: list = dataclasses.field(default_factory=list)
+  grad_avals: list = dataclasses.field(default_factory=list)
+  objectives: tuple[float, float] | None = None
   diff: list = dataclasses.field(default_factory=list)
   float_in: list = dataclasses.field(default_factory=list)
   float_out: list = dataclasses.field(default_factory=list)
+
+  def run_forward(self, operands, acts_in) -> list:
+    return list(self.forward(*operands, *acts_in))
+
+  def run_backward(self, operands, acts_in, cotangents, accumulated):
+    """(the accumulator plus this micro-batch's gradients, cotangents of acts_in)."""
+    outs = self.backward(*operands, *acts_in, *cotangents, *accumulated)
+    return list(outs[:len(self.diff)]), list(outs[len(self.diff):])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,10 +185,6 @@ def move(x, target: NamedSharding):
         f"give every stage as many devices (a stage per process, say) and no parameter to "
         f"several stages.")
   return jax.device_put(x, target)
-
-
-def _split_dim0(shape, n: int) -> PartitionSpec:
-  return PartitionSpec(STAGE_AXIS) if shape and n > 1 and shape[0] % n == 0 else PartitionSpec()
 
 
 def _is_float(aval) -> bool:
@@ -418,7 +425,7 @@ class PipelineExecutable:
     self._predicted = predicted
     self.schedule: Schedule = make_schedule(method.pipeline_schedule, len(self.stages), k)
     self._full = NamedSharding(lmesh.mesh, PartitionSpec())
-    self._compile_stages()
+    self._compile_stages(method.default_auto_sharding_option or m.AutoShardingOption())
     self._compile_programs()
     self._compile_slicer()
     self.stats: dict = {}
@@ -530,36 +537,43 @@ class PipelineExecutable:
                         for x in xs]
     self._slicer = jax.jit(split, out_shardings=self._full).lower(avals).compile()
 
-  def _compile_stages(self):
+  def _compile_stages(self, option: m.AutoShardingOption):
+    """Plans and compiles every stage's programs (``stage_shard``)."""
     loss_jaxpr = self._loss.closed.jaxpr
-    self._act_shardings = {}  # an activation: where its producing stage keeps it
+    self._cot_shardings = {}  # a float activation: where its producer's backward takes its cotangent
     for stage in self.stages:
       forward, backward, diff, float_in, float_out = _stage_functions(self._loss, stage)
-      n = stage.mesh.num_devices
-      mesh = stage.mesh.mesh
-
-      def aval(v, split):
-        shape = tuple(v.aval.shape)
-        spec = _split_dim0(shape, n) if split else PartitionSpec()
-        return jax.ShapeDtypeStruct(shape, v.aval.dtype, sharding=NamedSharding(mesh, spec))
-
-      # Micro-batch slices and activations split on dim 0; parameters and the rest replicated.
-      ops = [aval(loss_jaxpr.invars[p], self._batch_operand[p]) for p in stage.operands]
-      acts_in = [aval(v, True) for v in stage.acts_in]
-      acts_out = [aval(v, True) for v in stage.acts_out]
-      stage.forward = jax.jit(forward, out_shardings=[a.sharding for a in acts_out]).lower(
-          ops, acts_in).compile()
-      cots = [acts_out[p] for p in float_out]
-      replicated = NamedSharding(mesh, PartitionSpec())
-      grads = [jax.ShapeDtypeStruct(ops[p].shape, ops[p].dtype, sharding=replicated) for p in diff]
-      stage.backward = jax.jit(
-          backward, out_shardings=([replicated] * len(diff), [acts_in[p].sharding for p in float_in]),
-          donate_argnums=(3,)).lower(ops, acts_in, cots, grads).compile()
-      stage.zeros = jax.jit(lambda grads=grads: [jnp.zeros(g.shape, g.dtype) for g in grads],
-                            out_shardings=[replicated] * len(diff)).lower().compile()
-      stage.operand_avals, stage.in_avals, stage.out_avals = ops, acts_in, acts_out
       stage.diff, stage.float_in, stage.float_out = diff, float_in, float_out
-      self._act_shardings.update((v, a.sharding) for v, a in zip(stage.acts_out, acts_out))
+      aval = lambda v: jax.ShapeDtypeStruct(tuple(v.aval.shape), v.aval.dtype)
+      ops = [aval(loss_jaxpr.invars[p]) for p in stage.operands]
+      acts_in = [aval(v) for v in stage.acts_in]
+      cots = [aval(stage.acts_out[p]) for p in float_out]
+      grads = [ops[p] for p in diff]
+      roles = [stage_shard.operand_roles(stage, self._batch_operand), [BATCH] * len(acts_in),
+               [BATCH] * len(cots), [OPTIMIZER] * len(grads)]
+      bwd = stage_shard.plan_program(
+          stage_shard.program_step(backward, [ops, acts_in, cots, grads], roles, donated_group=3),
+          stage.mesh, option)
+      n_ops, n_in, n_cots = len(ops), len(acts_in), len(cots)
+      pinned = dict(enumerate(bwd.result.layout.in_specs[:n_ops + n_in]))
+      fwd = stage_shard.plan_program(stage_shard.program_step(forward, [ops, acts_in], roles[:2]),
+                                     bwd.lmesh, option, pinned)
+      with_sharding = lambda avals, shardings: [
+          jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh) for a, sh in zip(avals, shardings)]
+      shardings = bwd.in_shardings
+      stage.mesh = bwd.lmesh
+      stage.operand_avals = with_sharding(ops, shardings[:n_ops])
+      stage.in_avals = with_sharding(acts_in, shardings[n_ops:n_ops + n_in])
+      stage.cot_avals = with_sharding(cots, shardings[n_ops + n_in:n_ops + n_in + n_cots])
+      stage.grad_avals = with_sharding(grads, shardings[n_ops + n_in + n_cots:])
+      stage.out_avals = with_sharding([aval(v) for v in stage.acts_out], fwd.out_shardings)
+      stage.forward, stage.backward = fwd.compiled, bwd.compiled
+      stage.objectives = (fwd.result.objective, bwd.result.objective)
+      stage.zeros = jax.jit(
+          lambda grads=stage.grad_avals: [jnp.zeros(g.shape, g.dtype) for g in grads],
+          out_shardings=[g.sharding for g in stage.grad_avals]).lower().compile()
+      self._cot_shardings.update((stage.acts_out[p], a.sharding)
+                                 for p, a in zip(float_out, stage.cot_avals))
 
   # ---- running ------------------------------------------------------------------------
 
@@ -614,7 +628,7 @@ class PipelineExecutable:
       if ins.kind == FORWARD:
         ops = ops_for(s, b)
         acts_in = [move(acts[b, v], a.sharding) for v, a in zip(st.acts_in, st.in_avals)]
-        outs = st.forward(ops, acts_in)
+        outs = st.run_forward(ops, acts_in)
         for v, x in zip(st.acts_out, outs):
           acts[b, v] = x
           if v in out_index:
@@ -625,18 +639,18 @@ class PipelineExecutable:
       elif ins.kind == BACKWARD:
         ops, acts_in = saved.pop((s, b))
         cot_out = []
-        for p in st.float_out:
-          v, a = st.acts_out[p], st.out_avals[p]
+        for p, a in zip(st.float_out, st.cot_avals):
+          v = st.acts_out[p]
           c = cots.pop((b, v), None)
           if v is jaxpr.outvars[0]:  # the loss value: d(mean over micro-batches)/d(value_b)
             c = np.full(a.shape, 1.0 / k, a.dtype)
           cot_out.append(move(c if c is not None else np.zeros(a.shape, a.dtype), a.sharding))
         if s not in accumulated:
           accumulated[s] = st.zeros()
-        accumulated[s], act_cots = st.backward(ops, acts_in, cot_out, accumulated[s])
+        accumulated[s], act_cots = st.run_backward(ops, acts_in, cot_out, accumulated[s])
         for p, c in zip(st.float_in, act_cots):
           v = st.acts_in[p]
-          c = move(c, self._act_shardings[v])
+          c = move(c, self._cot_shardings[v])
           cots[b, v] = c if (b, v) not in cots else cots[b, v] + c
         in_flight[s] -= 1
       dispatched += ins.kind in (FORWARD, BACKWARD)
@@ -676,7 +690,7 @@ class PipelineExecutable:
     for s, st in enumerate(self.stages):
       zeros = lambda avals: [place(np.zeros(a.shape, a.dtype), a.sharding) for a in avals]
       args = (zeros(st.operand_avals), zeros(st.in_avals))
-      cots = zeros([st.out_avals[p] for p in st.float_out])
+      cots = zeros(st.cot_avals)
 
       def timed(run):
         times = []
@@ -692,8 +706,8 @@ class PipelineExecutable:
       reports.append(StageReport(
           s, st.layers, tuple(d.id for d in st.mesh.devices),
           None if self._predicted is None else self._predicted.stage_costs[s],
-          timed(lambda: st.forward(*args)),
-          timed(lambda: st.backward(*args, cots, st.zeros())), memory))
+          timed(lambda: st.run_forward(*args)),
+          timed(lambda: st.run_backward(*args, cots, st.zeros())), memory))
     return reports
 
   def gather(self, tree):

@@ -1,0 +1,108 @@
+"""Each stage program is a ShardParallel program: planned by the shard ILP on its sub-mesh.
+
+A stage program (``runtime._stage_functions``) is traced on flat leaves into a
+:class:`~jaxdist.trace.TracedStep` of its own, whose input roles tell the planner what
+each leaf is: the stage's differentiated operands are parameters, micro-batch slices,
+activations and cotangents are batch, and the gradient accumulator is state updated in
+place (donated). The backward (which recomputes the forward, so it holds every equation
+the stage has) is planned first, searching the sub-mesh's 1-D and 2-D shapes; the forward
+is then planned with its operands pinned to the backward's choice, so that parameters and
+saved inputs are laid out once for both programs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax import tree_util
+
+from jaxdist import methods as m
+from jaxdist.executable import compile_layout
+from jaxdist.mesh import LogicalMesh
+from jaxdist.plan import Plan, PlanEntry
+from jaxdist.shard.planner import ShardPlanResult, plan_shard_parallel
+from jaxdist.trace import BATCH, INPUT, PARAM, LeafInfo, TracedStep
+
+GROUP_NAMES = ("operand", "act_in", "cotangent", "accumulated")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedProgram:
+  """One stage program and its plan.
+
+  Attributes:
+    compiled: the compiled program (flat leaves in, flat leaves out).
+    result: the shard planner's result (layout, objective, mesh objectives).
+    in_shardings, out_shardings: per flat leaf.
+  """
+
+  compiled: object
+  result: ShardPlanResult
+  in_shardings: tuple
+  out_shardings: tuple
+
+  @property
+  def lmesh(self) -> LogicalMesh:
+    return self.result.layout.logical_mesh
+
+
+def program_step(fun, groups, roles, donated_group: int | None = None) -> TracedStep:
+  """``fun(*groups)`` traced on flat leaves, each group a list of ``ShapeDtypeStruct``.
+
+  ``roles``: per group, one role per leaf. ``donated_group``: a group whose leaves are
+  updated in place: the first outputs are their new values (the gradient accumulator).
+  """
+  flat, in_tree = tree_util.tree_flatten(tuple(groups))
+  avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in flat]
+  out_tree = []
+
+  def flat_fun(*leaves):
+    out, tree = tree_util.tree_flatten(fun(*tree_util.tree_unflatten(in_tree, leaves)))
+    out_tree.append(tree)
+    return out
+
+  closed = jax.make_jaxpr(flat_fun)(*avals)
+  inputs, source = [], {}
+  for g, (group, group_roles) in enumerate(zip(groups, roles)):
+    for p, (a, role) in enumerate(zip(group, group_roles)):
+      if g == donated_group:
+        source[p] = len(inputs)
+      inputs.append(LeafInfo(f"{GROUP_NAMES[g]}[{p}]", tuple(a.shape), a.dtype, g, role))
+  out_avals = tuple(v.aval for v in closed.jaxpr.outvars)
+  batch = [leaf.shape[0] for leaf in inputs if leaf.role == BATCH and leaf.shape]
+  return TracedStep(
+      closed_jaxpr=closed, in_tree=in_tree, out_tree=out_tree[0], inputs=tuple(inputs),
+      out_avals=out_avals, out_paths=tuple(f"out[{o}]" for o in range(len(out_avals))),
+      output_source=tuple(source.get(o) for o in range(len(out_avals))),
+      donated_argnums=() if donated_group is None else (donated_group,),
+      batch_size=max(batch) if batch else None, roles_from_loss=True,
+      depends_on_batch=(True,) * len(out_avals))
+
+
+def plan_program(step: TracedStep, lmesh: LogicalMesh, option: m.AutoShardingOption,
+                 pinned: dict[int, jax.sharding.PartitionSpec] | None = None,
+                 compile: bool = True) -> PlannedProgram:
+  """Plans ``step`` on ``lmesh`` (every 1-D and 2-D shape of its devices, or with
+  ``pinned`` input specs on ``lmesh``'s own shape) and compiles it."""
+  method = m.ShardParallel(auto_sharding_option=option)
+  if pinned is not None:
+    entries = tuple(PlanEntry(leaf.path, leaf.shape, str(leaf.dtype), leaf.role,
+                              pinned.get(k, jax.sharding.PartitionSpec()))
+                    for k, leaf in enumerate(step.inputs))
+    method = m.ShardParallel(auto_sharding_option=option, plan=Plan(
+        method="ShardParallel", mesh_shape=lmesh.shape, axis_names=lmesh.axis_names,
+        inputs=entries))
+  result = plan_shard_parallel(method, step, lmesh)
+  layout = result.layout
+  mesh = layout.logical_mesh.mesh
+  ins = tuple(jax.sharding.NamedSharding(mesh, s) for s in layout.in_specs)
+  outs = tuple(jax.sharding.NamedSharding(mesh, s) for s in layout.out_specs)
+  compiled = compile_layout(result.step, layout) if compile else None
+  return PlannedProgram(compiled, result, ins, outs)
+
+
+def operand_roles(stage, batch_operand) -> list[str]:
+  """Per stage operand: parameter if differentiated, batch if batch-dependent, else input."""
+  return [PARAM if p in stage.diff else BATCH if batch_operand[k] else INPUT
+          for p, k in enumerate(stage.operands)]
