@@ -59,7 +59,7 @@ from jaxdist.plan import Plan, PlanEntry
 from jaxdist.shard.cost import CostModel
 from jaxdist.trace import BATCH, OPTIMIZER, PARAM, TracedStep
 
-STAGE_AXIS = "stage_devices"
+STAGE_AXIS = "mesh_0"  # as ShardParallel names a 1-D mesh
 PEAK_FLOPS = CostModel.peak_flops  # the shard planner's per-device compute rate
 
 
@@ -159,7 +159,8 @@ def move(x, target: NamedSharding):
   - a value replicated over *all* devices: every process has a copy, and builds its own
     shards of ``target`` from it (no transfer);
   - a value on a sub-mesh: ``jax.device_put`` to a sub-mesh of as many devices, JAX's
-    cross-host transfer, which both processes must issue;
+    cross-host transfer, which both processes must issue (resharded first on its own
+    devices where the shard shapes differ: the transfer needs them equal);
   - a process holding neither end: an empty placeholder of the target.
 
   Raises:
@@ -184,6 +185,12 @@ def move(x, target: NamedSharding):
         f"a multi-process pipeline cannot move a value from {len(src)} devices to {len(dst)}; "
         f"give every stage as many devices (a stage per process, say) and no parameter to "
         f"several stages.")
+  if src != dst and x.sharding.shard_shape(x.shape) != target.shard_shape(x.shape):
+    # A cross-process transfer needs equal shard shapes: lay the value out as the target
+    # wants on its own devices first (a local reshard, or a placeholder elsewhere).
+    devices = x.sharding.mesh.devices.reshape(target.mesh.devices.shape)
+    x = move(x, NamedSharding(jax.sharding.Mesh(devices, target.mesh.axis_names,
+                                                axis_types=target.mesh.axis_types), target.spec))
   return jax.device_put(x, target)
 
 
@@ -403,6 +410,9 @@ class PipelineExecutable:
     batch_mask = sum(1 << i for i, leaf in enumerate(step.inputs) if leaf.role == BATCH)
     deps = jaxpr_util.dependencies(jaxpr, len(step.inputs), eqn.invars)
     self._batch_operand = [bool(d & batch_mask) for d in deps]
+    position = {v: i for i, v in enumerate(jaxpr.invars)}
+    self._operand_paths = [step.inputs[position[v]].path if v in position else f"loss operand {k}"
+                           for k, v in enumerate(eqn.invars)]
     for v, u, is_batch in zip(eqn.invars, micro[0].invars, self._batch_operand):
       shape = tuple(v.aval.shape)
       expected = (shape[0] // k,) + shape[1:] if is_batch and shape else shape
@@ -541,7 +551,8 @@ class PipelineExecutable:
     """Plans and compiles every stage's programs (``stage_shard``)."""
     loss_jaxpr = self._loss.closed.jaxpr
     self._cot_shardings = {}  # a float activation: where its producer's backward takes its cotangent
-    for stage in self.stages:
+    stage_shard.check_constraints_used(option, self._operand_paths)
+    for s, stage in enumerate(self.stages):
       forward, backward, diff, float_in, float_out = _stage_functions(self._loss, stage)
       stage.diff, stage.float_in, stage.float_out = diff, float_in, float_out
       aval = lambda v: jax.ShapeDtypeStruct(tuple(v.aval.shape), v.aval.dtype)
@@ -551,13 +562,19 @@ class PipelineExecutable:
       grads = [ops[p] for p in diff]
       roles = [stage_shard.operand_roles(stage, self._batch_operand), [BATCH] * len(acts_in),
                [BATCH] * len(cots), [OPTIMIZER] * len(grads)]
+      names = [[self._operand_paths[p] for p in stage.operands],
+               [f"stage {s} activation in [{p}]" for p in range(len(acts_in))],
+               [f"stage {s} cotangent [{p}]" for p in range(len(cots))],
+               [f"gradient of {self._operand_paths[stage.operands[p]]}" for p in diff]]
       bwd = stage_shard.plan_program(
-          stage_shard.program_step(backward, [ops, acts_in, cots, grads], roles, donated_group=3),
+          stage_shard.program_step(backward, [ops, acts_in, cots, grads], roles, names,
+                                   donated_group=3),
           stage.mesh, option)
       n_ops, n_in, n_cots = len(ops), len(acts_in), len(cots)
       pinned = dict(enumerate(bwd.result.layout.in_specs[:n_ops + n_in]))
-      fwd = stage_shard.plan_program(stage_shard.program_step(forward, [ops, acts_in], roles[:2]),
-                                     bwd.lmesh, option, pinned)
+      fwd = stage_shard.plan_program(
+          stage_shard.program_step(forward, [ops, acts_in], roles[:2], names[:2]), bwd.lmesh,
+          option, pinned)
       with_sharding = lambda avals, shardings: [
           jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh) for a, sh in zip(avals, shardings)]
       shardings = bwd.in_shardings

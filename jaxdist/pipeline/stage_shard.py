@@ -17,14 +17,13 @@ import dataclasses
 import jax
 from jax import tree_util
 
+from jaxdist import errors
 from jaxdist import methods as m
 from jaxdist.executable import compile_layout
 from jaxdist.mesh import LogicalMesh
 from jaxdist.plan import Plan, PlanEntry
-from jaxdist.shard.planner import ShardPlanResult, plan_shard_parallel
+from jaxdist.shard.planner import ShardPlanResult, path_matches, plan_shard_parallel
 from jaxdist.trace import BATCH, INPUT, PARAM, LeafInfo, TracedStep
-
-GROUP_NAMES = ("operand", "act_in", "cotangent", "accumulated")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,10 +46,11 @@ class PlannedProgram:
     return self.result.layout.logical_mesh
 
 
-def program_step(fun, groups, roles, donated_group: int | None = None) -> TracedStep:
+def program_step(fun, groups, roles, paths, donated_group: int | None = None) -> TracedStep:
   """``fun(*groups)`` traced on flat leaves, each group a list of ``ShapeDtypeStruct``.
 
-  ``roles``: per group, one role per leaf. ``donated_group``: a group whose leaves are
+  ``roles``, ``paths``: per group, one role and one name per leaf (the names that
+  ``partition_constraints`` patterns match). ``donated_group``: a group whose leaves are
   updated in place: the first outputs are their new values (the gradient accumulator).
   """
   flat, in_tree = tree_util.tree_flatten(tuple(groups))
@@ -64,11 +64,11 @@ def program_step(fun, groups, roles, donated_group: int | None = None) -> Traced
 
   closed = jax.make_jaxpr(flat_fun)(*avals)
   inputs, source = [], {}
-  for g, (group, group_roles) in enumerate(zip(groups, roles)):
-    for p, (a, role) in enumerate(zip(group, group_roles)):
+  for g, (group, group_roles, group_paths) in enumerate(zip(groups, roles, paths)):
+    for p, (a, role, path) in enumerate(zip(group, group_roles, group_paths)):
       if g == donated_group:
         source[p] = len(inputs)
-      inputs.append(LeafInfo(f"{GROUP_NAMES[g]}[{p}]", tuple(a.shape), a.dtype, g, role))
+      inputs.append(LeafInfo(path, tuple(a.shape), a.dtype, g, role))
   out_avals = tuple(v.aval for v in closed.jaxpr.outvars)
   batch = [leaf.shape[0] for leaf in inputs if leaf.role == BATCH and leaf.shape]
   return TracedStep(
@@ -84,7 +84,14 @@ def plan_program(step: TracedStep, lmesh: LogicalMesh, option: m.AutoShardingOpt
                  pinned: dict[int, jax.sharding.PartitionSpec] | None = None,
                  compile: bool = True) -> PlannedProgram:
   """Plans ``step`` on ``lmesh`` (every 1-D and 2-D shape of its devices, or with
-  ``pinned`` input specs on ``lmesh``'s own shape) and compiles it."""
+  ``pinned`` input specs on ``lmesh``'s own shape) and compiles it.
+
+  Of ``option.partition_constraints`` only the patterns matching a leaf of ``step``
+  apply (a stage holds some of the parameters; :func:`check_constraints_used` checks
+  that each pattern matches somewhere)."""
+  constraints = {pattern: spec for pattern, spec in (option.partition_constraints or {}).items()
+                 if any(path_matches(pattern, leaf.path) for leaf in step.inputs)}
+  option = dataclasses.replace(option, partition_constraints=constraints or None)
   method = m.ShardParallel(auto_sharding_option=option)
   if pinned is not None:
     entries = tuple(PlanEntry(leaf.path, leaf.shape, str(leaf.dtype), leaf.role,
@@ -106,3 +113,14 @@ def operand_roles(stage, batch_operand) -> list[str]:
   """Per stage operand: parameter if differentiated, batch if batch-dependent, else input."""
   return [PARAM if p in stage.diff else BATCH if batch_operand[k] else INPUT
           for p, k in enumerate(stage.operands)]
+
+
+def check_constraints_used(option: m.AutoShardingOption, paths) -> None:
+  """Raises InvalidArgumentError for a ``partition_constraints`` pattern matching none of
+  ``paths`` (the pipelined step's operand names)."""
+  for pattern in option.partition_constraints or {}:
+    if not any(path_matches(pattern, path) for path in paths):
+      raise errors.InvalidArgumentError(
+          f"default_auto_sharding_option.partition_constraints pattern {pattern!r} matches no "
+          f"parameter of the pipelined loss; patterns match whole leaf paths with * and ? as "
+          f"wildcards, e.g. {', '.join(list(paths)[:3])}.")
