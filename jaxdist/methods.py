@@ -263,6 +263,9 @@ class PipeshardParallel(Method):
     pipeline_schedule: ``"1f1b"`` or ``"gpipe"``.
     max_pipeline_bubble_ratio: for ``"auto"``, nnScaler's cap on the number of stages
       ``s <= floor(b / (1 - b) * num_micro_batches + 1)``; None: no cap.
+    max_pipeline_unbalance_ratio: for ``"auto"``, nnScaler's balance bound ``r`` in
+      (0, 1]: every stage's predicted time within ``[r * G, G / r]`` of their mean ``G``;
+      None: no bound.
     default_auto_sharding_option: its ``memory_budget_per_device`` bounds the ``"auto"``
       stage search; per-stage ShardParallel plans are to come (each stage is data
       parallel over its sub-mesh for now).
@@ -276,6 +279,7 @@ class PipeshardParallel(Method):
   pipeline_schedule: str = "1f1b"
   default_auto_sharding_option: AutoShardingOption | None = None
   max_pipeline_bubble_ratio: float | None = None
+  max_pipeline_unbalance_ratio: float | None = None
 
   def _validate(self):
     Method._validate(self)
@@ -295,6 +299,11 @@ class PipeshardParallel(Method):
     if ratio is not None and not 0 < ratio < 1:
       raise errors.InvalidArgumentError(
           f"PipeshardParallel(max_pipeline_bubble_ratio={ratio!r}) must be in (0, 1), or None.")
+    ratio = self.max_pipeline_unbalance_ratio
+    if ratio is not None and not 0 < ratio <= 1:
+      raise errors.InvalidArgumentError(
+          f"PipeshardParallel(max_pipeline_unbalance_ratio={ratio!r}) must be in (0, 1], or "
+          f"None.")
     if self.pipeline_schedule not in SCHEDULES:
       raise errors.InvalidArgumentError(
           f"PipeshardParallel(pipeline_schedule={self.pipeline_schedule!r}) is not a known "

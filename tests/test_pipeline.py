@@ -98,6 +98,8 @@ def test_pipeline_errors():
     jd.PipeshardParallel(stage_option="best")
   with pytest.raises(errors.InvalidArgumentError, match=r"max_pipeline_bubble_ratio=1.5"):
     jd.PipeshardParallel(max_pipeline_bubble_ratio=1.5)
+  with pytest.raises(errors.InvalidArgumentError, match=r"max_pipeline_unbalance_ratio=0"):
+    jd.PipeshardParallel(max_pipeline_unbalance_ratio=0)
   with pytest.raises(errors.InvalidArgumentError, match=r"layer_option='layers'"):
     jd.PipeshardParallel(layer_option="layers")
 

@@ -60,7 +60,6 @@ from jaxdist.shard.cost import CostModel
 from jaxdist.trace import BATCH, OPTIMIZER, PARAM, TracedStep
 
 STAGE_AXIS = "mesh_0"  # as ShardParallel names a 1-D mesh
-PEAK_FLOPS = CostModel.peak_flops  # the shard planner's per-device compute rate
 
 
 @dataclasses.dataclass
@@ -208,39 +207,42 @@ def _layer_starts(method: m.PipeshardParallel, jaxpr) -> tuple[int, ...]:
 
 
 def _auto_stage_layout(method: m.PipeshardParallel, loss: capture.CapturedLoss, starts,
-                       lmesh: LogicalMesh, state_factor: float) -> StagePlan:
-  """Alpa's stage DP with an analytic cost per micro-batch of layers i..j-1 on n devices:
+                       lmesh: LogicalMesh, state_factor: float, program_cost) -> StagePlan:
+  """Alpa's stage DP with the cost per micro-batch of layers i..j-1 on n devices
 
-      4 · flops / (n · PEAK_FLOPS)              forward, backward (2x), recompute
-      + [n > 1] (α + 2 β (n − 1)/n · P)         the stage's gradient all-reduce (P bytes)
-      + β · A                                   receiving its input activations (A bytes)
+      Σ_{i ≤ l < j} program_cost(layer l alone on n devices)  +  β · A
 
-  and a memory check: ``P · (state_factor + 1) + in_flight · A + W ≤ budget`` per device,
-  with W the bytes the stage's equations write for one micro-batch (the working set).
+  (the shard ILP's objective for each layer's forward and backward programs on the
+  sub-mesh, summed; A the bytes of activations the stage receives), and a memory check:
+  ``P · (state_factor + 1) + in_flight · A / n + W / n ≤ budget`` per device, with P the
+  stage's parameter bytes and W the bytes its equations write for one micro-batch (the
+  working set).
   """
   jaxpr = loss.closed.jaxpr
   n_eqns = len(jaxpr.eqns)
   ends = starts[1:] + (n_eqns,)
   cross = layers_mod.crossing_bytes(jaxpr)
   params = set(jaxpr.invars[loss.num_consts:])
-  flops, param_vars, written = [], [], []
+  param_vars, written = [], []
   for a, b in zip(starts, ends):
     eqns = jaxpr.eqns[a:b]
-    flops.append(sum(jaxpr_util.eqn_flops(e) for e in eqns))
     param_vars.append({v for e in eqns for v in e.invars
                        if not isinstance(v, jex.Literal) and v in params})
     written.append(sum(layers_mod.var_bytes(v) for e in eqns for v in e.outvars))
-  alpha, beta = lmesh.alpha[0], lmesh.beta[0]
+  beta = lmesh.beta[0]
   k = method.num_micro_batches or 1
+  devices = lmesh.devices
 
   @functools.lru_cache(maxsize=None)  # the DP asks for the same ranges many times
   def param_bytes(i, j):
     return sum(layers_mod.var_bytes(v) for v in set().union(*param_vars[i:j]))
 
+  @functools.lru_cache(maxsize=None)
+  def layer_cost(layer, n):
+    return program_cost(make_stage(loss, starts, layer, layer + 1, devices[:n]))
+
   def cost(i, j, n):
-    p = param_bytes(i, j)
-    reduce = alpha + 2 * beta * (n - 1) / n * p if n > 1 else 0.0
-    return 4 * sum(flops[i:j]) / (n * PEAK_FLOPS) + reduce + beta * cross[starts[i]]
+    return sum(layer_cost(layer, n) for layer in range(i, j)) + beta * cross[starts[i]]
 
   opt = method.default_auto_sharding_option
   budget = opt.memory_budget_per_device if opt is not None else None
@@ -251,7 +253,8 @@ def _auto_stage_layout(method: m.PipeshardParallel, loss: capture.CapturedLoss, 
     return need <= budget
 
   return auto_stages(cost, len(starts), lmesh.num_devices, k, fits=fits if budget else None,
-                     max_bubble_ratio=method.max_pipeline_bubble_ratio)
+                     max_bubble_ratio=method.max_pipeline_bubble_ratio,
+                     max_unbalance_ratio=method.max_pipeline_unbalance_ratio)
 
 
 def _stage_layout(method: m.PipeshardParallel, num_layers: int, lmesh: LogicalMesh):
@@ -292,44 +295,52 @@ def _stage_layout(method: m.PipeshardParallel, num_layers: int, lmesh: LogicalMe
   return list(zip(bounds, bounds[1:])), [n // num_stages] * num_stages
 
 
+def make_stage(loss: capture.CapturedLoss, starts, first: int, last: int, devices) -> Stage:
+  """The stage running layers ``first..last-1`` of the loss on ``devices`` (uncompiled)."""
+  jaxpr = loss.closed.jaxpr
+  layer_ends = starts[1:] + (len(jaxpr.eqns),)
+  skip = set(jaxpr_util.find_eqns(jaxpr, layers_mod.boundary_p.name))
+  operand_index = {v: k for k, v in enumerate(jaxpr.invars)}
+  ids = tuple(i for i in range(starts[first], layer_ends[last - 1]) if i not in skip)
+  defined = {v for i in ids for v in jaxpr.eqns[i].outvars}
+  reads = [v for i in ids for v in jaxpr.eqns[i].invars
+           if not isinstance(v, jex.Literal) and v not in defined]
+  reads = list(dict.fromkeys(reads))
+  later = {v for i in range(layer_ends[last - 1], len(jaxpr.eqns)) for v in jaxpr.eqns[i].invars
+           if not isinstance(v, jex.Literal)}
+  later |= {v for v in jaxpr.outvars if not isinstance(v, jex.Literal)}
+  return Stage(
+      layers=(first, last), eqns=ids,
+      mesh=LogicalMesh((len(devices),), axis_names=(STAGE_AXIS,), devices=tuple(devices)),
+      operands=tuple(operand_index[v] for v in reads if v in operand_index),
+      acts_in=tuple(v for v in reads if v not in operand_index),
+      acts_out=tuple(v for v in dict.fromkeys(v for i in ids for v in jaxpr.eqns[i].outvars)
+                     if v in later and not isinstance(v, jex.DropVar)))
+
+
 def build_stages(method: m.PipeshardParallel, loss: capture.CapturedLoss, lmesh: LogicalMesh,
-                 state_factor: float = 1.0):
+                 state_factor: float = 1.0, program_cost=None):
   """Cuts the loss into layers and stages.
 
   Returns the stages, the layer starts and, for ``stage_option="auto"``, the
   :class:`~jaxdist.pipeline.stages.StagePlan` with its predicted times (else None).
   ``state_factor``: bytes of state (parameters and optimizer state) per parameter byte.
+  ``program_cost(stage)``: predicted seconds per micro-batch of an uncompiled stage's
+  programs, for ``"auto"`` (see :func:`_auto_stage_layout`).
   """
   jaxpr = loss.closed.jaxpr
   starts = _layer_starts(method, jaxpr)
   predicted = None
   if method.stage_option == "auto":
-    predicted = _auto_stage_layout(method, loss, starts, lmesh, state_factor)
+    predicted = _auto_stage_layout(method, loss, starts, lmesh, state_factor, program_cost)
     ranges, sizes = list(predicted.layer_ranges), list(predicted.submesh_sizes)
   else:
     ranges, sizes = _stage_layout(method, len(starts), lmesh)
-  layer_ends = starts[1:] + (len(jaxpr.eqns),)
-  skip = set(jaxpr_util.find_eqns(jaxpr, layers_mod.boundary_p.name))
-  operand_index = {v: k for k, v in enumerate(jaxpr.invars)}
   devices = list(lmesh.devices)
   stages, offset = [], 0
   for (first, last), size in zip(ranges, sizes):
-    ids = tuple(i for i in range(starts[first], layer_ends[last - 1]) if i not in skip)
-    defined = {v for i in ids for v in jaxpr.eqns[i].outvars}
-    reads = [v for i in ids for v in jaxpr.eqns[i].invars
-             if not isinstance(v, jex.Literal) and v not in defined]
-    reads = list(dict.fromkeys(reads))
-    later = {v for i in range(layer_ends[last - 1], len(jaxpr.eqns)) for v in jaxpr.eqns[i].invars
-             if not isinstance(v, jex.Literal)}
-    later |= {v for v in jaxpr.outvars if not isinstance(v, jex.Literal)}
-    mesh = LogicalMesh((size,), axis_names=(STAGE_AXIS,), devices=devices[offset:offset + size])
+    stages.append(make_stage(loss, starts, first, last, devices[offset:offset + size]))
     offset += size
-    stages.append(Stage(
-        layers=(first, last), eqns=ids, mesh=mesh,
-        operands=tuple(operand_index[v] for v in reads if v in operand_index),
-        acts_in=tuple(v for v in reads if v not in operand_index),
-        acts_out=tuple(v for v in dict.fromkeys(v for i in ids for v in jaxpr.eqns[i].outvars)
-                       if v in later and not isinstance(v, jex.DropVar))))
   return stages, starts, predicted
 
 
@@ -431,11 +442,15 @@ class PipelineExecutable:
                              for leaf in step.inputs if leaf.role == role)
                    for role in (PARAM, OPTIMIZER)}
     state_factor = 1 + state_bytes[OPTIMIZER] / max(state_bytes[PARAM], 1)
-    self.stages, starts, predicted = build_stages(method, loss, lmesh, state_factor)
+    option = method.default_auto_sharding_option or m.AutoShardingOption()
+    stage_shard.check_constraints_used(option, self._operand_paths)
+    self._cost_cache: dict = {}
+    self.stages, starts, predicted = build_stages(
+        method, loss, lmesh, state_factor, functools.partial(self._program_cost, option))
     self._predicted = predicted
     self.schedule: Schedule = make_schedule(method.pipeline_schedule, len(self.stages), k)
     self._full = NamedSharding(lmesh.mesh, PartitionSpec())
-    self._compile_stages(method.default_auto_sharding_option or m.AutoShardingOption())
+    self._compile_stages(option)
     self._compile_programs()
     self._compile_slicer()
     self.stats: dict = {}
@@ -547,50 +562,73 @@ class PipelineExecutable:
                         for x in xs]
     self._slicer = jax.jit(split, out_shardings=self._full).lower(avals).compile()
 
-  def _compile_stages(self, option: m.AutoShardingOption):
-    """Plans and compiles every stage's programs (``stage_shard``)."""
+  def _program_steps(self, stage: Stage):
+    """The stage's backward and forward programs, traced (``stage_shard.program_step``)."""
     loss_jaxpr = self._loss.closed.jaxpr
+    forward, backward, diff, float_in, float_out = _stage_functions(self._loss, stage)
+    stage.diff, stage.float_in, stage.float_out = diff, float_in, float_out
+    aval = lambda v: jax.ShapeDtypeStruct(tuple(v.aval.shape), v.aval.dtype)
+    ops = [aval(loss_jaxpr.invars[p]) for p in stage.operands]
+    acts_in = [aval(v) for v in stage.acts_in]
+    cots = [aval(stage.acts_out[p]) for p in float_out]
+    grads = [ops[p] for p in diff]
+    roles = [stage_shard.operand_roles(stage, self._batch_operand), [BATCH] * len(acts_in),
+             [BATCH] * len(cots), [OPTIMIZER] * len(grads)]
+    layers = f"layers {stage.layers[0]}..{stage.layers[1] - 1}"
+    names = [[self._operand_paths[p] for p in stage.operands],
+             [f"{layers}: activation in [{p}]" for p in range(len(acts_in))],
+             [f"{layers}: cotangent [{p}]" for p in range(len(cots))],
+             [f"gradient of {self._operand_paths[stage.operands[p]]}" for p in diff]]
+    return (stage_shard.program_step(backward, [ops, acts_in, cots, grads], roles, names,
+                                     donated_group=3),
+            stage_shard.program_step(forward, [ops, acts_in], roles[:2], names[:2]))
+
+  def _program_cost(self, option: m.AutoShardingOption, stage: Stage) -> float:
+    """Predicted seconds per micro-batch of an uncompiled stage: the shard ILP's
+    objective for its backward (recompute, backward and gradient communication as
+    planned on the sub-mesh) plus its forward's compute, ``flops / (n · peak)``. Layers
+    with the same backward program are solved once."""
+    backward, _ = self._program_steps(stage)
+    n = stage.mesh.num_devices
+    key = (n, str(backward.closed_jaxpr))
+    if key not in self._cost_cache:
+      self._cost_cache[key] = stage_shard.plan_program(
+          backward, stage.mesh, option, compile=False).result.objective
+    jaxpr = self._loss.closed.jaxpr
+    flops = sum(jaxpr_util.eqn_flops(jaxpr.eqns[i]) for i in stage.eqns)
+    return self._cost_cache[key] + flops / (n * CostModel.peak_flops)
+
+  def _compile_stages(self, option: m.AutoShardingOption):
+    """Plans and compiles every stage's programs: the backward (which holds all of the
+    stage's equations) searched over the sub-mesh's shapes, then the forward with its
+    operands pinned to the backward's choice."""
     self._cot_shardings = {}  # a float activation: where its producer's backward takes its cotangent
-    stage_shard.check_constraints_used(option, self._operand_paths)
-    for s, stage in enumerate(self.stages):
-      forward, backward, diff, float_in, float_out = _stage_functions(self._loss, stage)
-      stage.diff, stage.float_in, stage.float_out = diff, float_in, float_out
-      aval = lambda v: jax.ShapeDtypeStruct(tuple(v.aval.shape), v.aval.dtype)
-      ops = [aval(loss_jaxpr.invars[p]) for p in stage.operands]
-      acts_in = [aval(v) for v in stage.acts_in]
-      cots = [aval(stage.acts_out[p]) for p in float_out]
-      grads = [ops[p] for p in diff]
-      roles = [stage_shard.operand_roles(stage, self._batch_operand), [BATCH] * len(acts_in),
-               [BATCH] * len(cots), [OPTIMIZER] * len(grads)]
-      names = [[self._operand_paths[p] for p in stage.operands],
-               [f"stage {s} activation in [{p}]" for p in range(len(acts_in))],
-               [f"stage {s} cotangent [{p}]" for p in range(len(cots))],
-               [f"gradient of {self._operand_paths[stage.operands[p]]}" for p in diff]]
-      bwd = stage_shard.plan_program(
-          stage_shard.program_step(backward, [ops, acts_in, cots, grads], roles, names,
-                                   donated_group=3),
-          stage.mesh, option)
-      n_ops, n_in, n_cots = len(ops), len(acts_in), len(cots)
-      pinned = dict(enumerate(bwd.result.layout.in_specs[:n_ops + n_in]))
-      fwd = stage_shard.plan_program(
-          stage_shard.program_step(forward, [ops, acts_in], roles[:2], names[:2]), bwd.lmesh,
-          option, pinned)
-      with_sharding = lambda avals, shardings: [
-          jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh) for a, sh in zip(avals, shardings)]
-      shardings = bwd.in_shardings
+    for stage in self.stages:
+      bwd_step, fwd_step = self._program_steps(stage)
+      bwd = stage_shard.plan_program(bwd_step, stage.mesh, option)
+      n_ops, n_in, n_cots = len(stage.operands), len(stage.acts_in), len(stage.float_out)
+      fwd = stage_shard.plan_program(fwd_step, bwd.lmesh, option,
+                                     dict(enumerate(bwd.result.layout.in_specs[:n_ops + n_in])))
+
+      def with_sharding(step, shardings):
+        return [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sh)
+                for leaf, sh in zip(step.inputs, shardings)]
+
+      avals = with_sharding(bwd_step, bwd.in_shardings)
       stage.mesh = bwd.lmesh
-      stage.operand_avals = with_sharding(ops, shardings[:n_ops])
-      stage.in_avals = with_sharding(acts_in, shardings[n_ops:n_ops + n_in])
-      stage.cot_avals = with_sharding(cots, shardings[n_ops + n_in:n_ops + n_in + n_cots])
-      stage.grad_avals = with_sharding(grads, shardings[n_ops + n_in + n_cots:])
-      stage.out_avals = with_sharding([aval(v) for v in stage.acts_out], fwd.out_shardings)
+      stage.operand_avals = avals[:n_ops]
+      stage.in_avals = avals[n_ops:n_ops + n_in]
+      stage.cot_avals = avals[n_ops + n_in:n_ops + n_in + n_cots]
+      stage.grad_avals = avals[n_ops + n_in + n_cots:]
+      stage.out_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
+                         for a, sh in zip(fwd_step.out_avals, fwd.out_shardings)]
       stage.forward, stage.backward = fwd.compiled, bwd.compiled
       stage.objectives = (fwd.result.objective, bwd.result.objective)
       stage.zeros = jax.jit(
           lambda grads=stage.grad_avals: [jnp.zeros(g.shape, g.dtype) for g in grads],
           out_shardings=[g.sharding for g in stage.grad_avals]).lower().compile()
       self._cot_shardings.update((stage.acts_out[p], a.sharding)
-                                 for p, a in zip(float_out, stage.cot_avals))
+                                 for p, a in zip(stage.float_out, stage.cot_avals))
 
   # ---- running ------------------------------------------------------------------------
 
