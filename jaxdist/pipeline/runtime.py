@@ -57,7 +57,7 @@ from jaxdist.pipeline.schedule import BACKWARD, FORWARD, Schedule, make_schedule
 from jaxdist.pipeline.stages import StagePlan, auto_stages
 from jaxdist.plan import Plan, PlanEntry
 from jaxdist.shard.cost import CostModel
-from jaxdist.trace import BATCH, OPTIMIZER, PARAM, TracedStep
+from jaxdist.trace import BATCH, INPUT, OPTIMIZER, PARAM, TracedStep
 
 STAGE_AXIS = "mesh_0"  # as ShardParallel names a 1-D mesh
 
@@ -134,18 +134,19 @@ class StageReport:
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-  """Equations of the step's jaxpr run as one jit, everything replicated on one mesh.
+  """Equations of the step's jaxpr run as one jit on one mesh.
 
   Attributes:
     reads: the variables it reads (step inputs or results of the loss equation).
     writes: the variables it returns.
-    sharding: where its inputs and outputs live.
+    in_shardings, out_shardings: per read and per write.
     compiled: the compiled program.
   """
 
   reads: tuple
   writes: tuple
-  sharding: NamedSharding
+  in_shardings: tuple
+  out_shardings: tuple
   compiled: object
 
 
@@ -442,7 +443,7 @@ class PipelineExecutable:
                              for leaf in step.inputs if leaf.role == role)
                    for role in (PARAM, OPTIMIZER)}
     state_factor = 1 + state_bytes[OPTIMIZER] / max(state_bytes[PARAM], 1)
-    option = method.default_auto_sharding_option or m.AutoShardingOption()
+    option = self._option = method.default_auto_sharding_option or m.AutoShardingOption()
     stage_shard.check_constraints_used(option, self._operand_paths)
     self._cost_cache: dict = {}
     self.stages, starts, predicted = build_stages(
@@ -473,8 +474,13 @@ class PipelineExecutable:
 
   # ---- compilation -------------------------------------------------------------------
 
-  def _program(self, writes, sharding: NamedSharding) -> Program:
-    """The equations of the step that compute ``writes`` from step inputs and loss results."""
+  def _program(self, writes, sharding: NamedSharding, option=None, mesh=None,
+               pins=None) -> Program:
+    """The equations of the step that compute ``writes`` from step inputs and loss results.
+
+    Without ``option`` everything is replicated in ``sharding``; with it the program is
+    planned by the shard ILP on ``mesh`` with ``pins`` (read variable → spec) fixed and
+    every written state leaf laid out as the input it updates."""
     closed = self._step.closed_jaxpr
     jaxpr = closed.jaxpr
     ids = jaxpr_util.needed_eqns(jaxpr, writes, stop=[self._index]) - {self._index}
@@ -489,9 +495,30 @@ class PipelineExecutable:
       jaxpr_util.eval_eqns(jaxpr, env, ids)
       return [jaxpr_util.read(env, v) for v in writes]
 
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=sharding) for v in reads]
-    compiled = jax.jit(run, out_shardings=sharding).lower(*avals).compile()
-    return Program(reads, tuple(writes), sharding, compiled)
+    if option is None:
+      avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=sharding) for v in reads]
+      compiled = jax.jit(run, out_shardings=sharding).lower(*avals).compile()
+      return Program(reads, tuple(writes), (sharding,) * len(reads), (sharding,) * len(writes),
+                     compiled)
+    position = {v: i for i, v in enumerate(jaxpr.invars)}
+    result = {v: j for j, v in enumerate(jaxpr.eqns[self._index].outvars)}
+    leaves = [self._step.inputs[position[v]] if v in position else None for v in reads]
+    roles = [leaf.role if leaf else INPUT for leaf in leaves]
+    paths = [leaf.path if leaf else f"loss result {result[v]}" for leaf, v in zip(leaves, reads)]
+    read_index = {v: k for k, v in enumerate(reads)}
+    out_index = {v: o for o, v in enumerate(jaxpr.outvars)}
+    tied = {}
+    for w, v in enumerate(writes):
+      src = self._step.output_source[out_index[v]]
+      if src is not None and jaxpr.invars[src] in read_index:
+        tied[w] = read_index[jaxpr.invars[src]]
+    planned = stage_shard.plan_program(
+        stage_shard.program_step(lambda values: run(*values),
+                                 [[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in reads]],
+                                 [roles], [paths], tied),
+        mesh, option, {read_index[v]: spec for v, spec in pins.items() if v in read_index})
+    return Program(reads, tuple(writes), planned.in_shardings, planned.out_shardings,
+                   planned.compiled)
 
   def _compile_programs(self):
     """Where state lives and the programs before and after the pipeline.
@@ -537,21 +564,43 @@ class PipelineExecutable:
       owners.append(next(iter(stages)) if len(stages) == 1 and not shared else None)
     homes = [NamedSharding(st.mesh.mesh, PartitionSpec()) for st in self.stages] + [self._full]
     self._output_homes = [homes[-1 if o is None else o] for o in owners]
-    self._input_homes = [self._full] * len(step.inputs)
-    for o, src in enumerate(step.output_source):
-      if src is not None:
-        self._input_homes[src] = self._output_homes[o]
     # A gradient lives on the stage that reads its operand, if only one does.
     self._result_homes = [homes[next(iter(r))] if len(r) == 1 else self._full
                           for r in result_stages]
+    # A gradient owned by one stage stays as its backward accumulated it.
+    pins = [{} for _ in self.stages]
+    for j, (kind, r) in enumerate(zip(loss.kinds, result_stages)):
+      if kind == capture.GRAD and len(r) == 1:
+        s = next(iter(r))
+        st = self.stages[s]
+        p = st.operands.index(loss.num_consts + j - 1 - num_aux)
+        self._result_homes[j] = st.grad_avals[st.diff.index(p)].sharding
+      for s in r if len(r) == 1 else ():
+        pins[s][eqn.outvars[j]] = self._result_homes[j].spec
+    # A parameter a stage owns lives as the stage's programs read it.
+    for s, st in enumerate(self.stages):
+      for p, a in zip(st.operands, st.operand_avals):
+        pins[s][eqn.invars[p]] = a.sharding.spec
     direct = set(jaxpr.invars)
     computed = [v for v in eqn.invars if v not in direct and not isinstance(v, jex.Literal)]
     self._pre = self._program(computed, self._full) if computed else None
     self._applies = []
-    for home in homes:
-      writes = [v for v, h in zip(jaxpr.outvars, self._output_homes) if h is home]
-      if writes:
-        self._applies.append(self._program(writes, home))
+    for s, home in enumerate(homes):
+      positions = [o for o, h in enumerate(self._output_homes) if h is home]
+      if not positions:
+        continue
+      writes = [jaxpr.outvars[o] for o in positions]
+      if home is self._full:
+        program = self._program(writes, home)
+      else:  # planned on the stage's mesh, the state laid out as its programs want it
+        program = self._program(writes, home, self._option, self.stages[s].mesh, pins[s])
+      self._applies.append(program)
+      for o, sharding in zip(positions, program.out_shardings):
+        self._output_homes[o] = sharding
+    self._input_homes = [self._full] * len(step.inputs)
+    for o, src in enumerate(step.output_source):
+      if src is not None:
+        self._input_homes[src] = self._output_homes[o]
 
   def _compile_slicer(self):
     k = self._k
@@ -579,7 +628,9 @@ class PipelineExecutable:
              [f"{layers}: activation in [{p}]" for p in range(len(acts_in))],
              [f"{layers}: cotangent [{p}]" for p in range(len(cots))],
              [f"gradient of {self._operand_paths[stage.operands[p]]}" for p in diff]]
+    before = len(ops) + len(acts_in) + len(cots)
     return (stage_shard.program_step(backward, [ops, acts_in, cots, grads], roles, names,
+                                     tied={o: before + o for o in range(len(grads))},
                                      donated_group=3),
             stage_shard.program_step(forward, [ops, acts_in], roles[:2], names[:2]))
 
@@ -652,7 +703,8 @@ class PipelineExecutable:
 
   @staticmethod
   def _run_program(program: Program, values: dict) -> list:
-    return program.compiled(*[move(values[v], program.sharding) for v in program.reads])
+    return program.compiled(*[move(values[v], sh)
+                              for v, sh in zip(program.reads, program.in_shardings)])
 
   def _run_pipeline(self, operands):
     loss, k = self._loss, self._k

@@ -16,12 +16,12 @@ import dataclasses
 
 import jax
 from jax import tree_util
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdist import errors
 from jaxdist import methods as m
 from jaxdist.executable import compile_layout
 from jaxdist.mesh import LogicalMesh
-from jaxdist.plan import Plan, PlanEntry
 from jaxdist.shard.planner import ShardPlanResult, path_matches, plan_shard_parallel
 from jaxdist.trace import BATCH, INPUT, PARAM, LeafInfo, TracedStep
 
@@ -46,12 +46,14 @@ class PlannedProgram:
     return self.result.layout.logical_mesh
 
 
-def program_step(fun, groups, roles, paths, donated_group: int | None = None) -> TracedStep:
+def program_step(fun, groups, roles, paths, tied: dict[int, int] | None = None,
+                 donated_group: int | None = None) -> TracedStep:
   """``fun(*groups)`` traced on flat leaves, each group a list of ``ShapeDtypeStruct``.
 
   ``roles``, ``paths``: per group, one role and one name per leaf (the names that
-  ``partition_constraints`` patterns match). ``donated_group``: a group whose leaves are
-  updated in place: the first outputs are their new values (the gradient accumulator).
+  ``partition_constraints`` patterns match). ``tied``: output position → the flat input
+  position it is the new value of (planned with the same sharding). ``donated_group``:
+  a group whose buffers the program may reuse (the gradient accumulator).
   """
   flat, in_tree = tree_util.tree_flatten(tuple(groups))
   avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in flat]
@@ -63,48 +65,43 @@ def program_step(fun, groups, roles, paths, donated_group: int | None = None) ->
     return out
 
   closed = jax.make_jaxpr(flat_fun)(*avals)
-  inputs, source = [], {}
-  for g, (group, group_roles, group_paths) in enumerate(zip(groups, roles, paths)):
-    for p, (a, role, path) in enumerate(zip(group, group_roles, group_paths)):
-      if g == donated_group:
-        source[p] = len(inputs)
-      inputs.append(LeafInfo(path, tuple(a.shape), a.dtype, g, role))
+  inputs = [LeafInfo(path, tuple(a.shape), a.dtype, g, role)
+            for g, (group, group_roles, group_paths) in enumerate(zip(groups, roles, paths))
+            for a, role, path in zip(group, group_roles, group_paths)]
   out_avals = tuple(v.aval for v in closed.jaxpr.outvars)
   batch = [leaf.shape[0] for leaf in inputs if leaf.role == BATCH and leaf.shape]
   return TracedStep(
       closed_jaxpr=closed, in_tree=in_tree, out_tree=out_tree[0], inputs=tuple(inputs),
       out_avals=out_avals, out_paths=tuple(f"out[{o}]" for o in range(len(out_avals))),
-      output_source=tuple(source.get(o) for o in range(len(out_avals))),
+      output_source=tuple((tied or {}).get(o) for o in range(len(out_avals))),
       donated_argnums=() if donated_group is None else (donated_group,),
       batch_size=max(batch) if batch else None, roles_from_loss=True,
       depends_on_batch=(True,) * len(out_avals))
 
 
 def plan_program(step: TracedStep, lmesh: LogicalMesh, option: m.AutoShardingOption,
-                 pinned: dict[int, jax.sharding.PartitionSpec] | None = None,
+                 pinned: dict[int, PartitionSpec] | None = None,
                  compile: bool = True) -> PlannedProgram:
-  """Plans ``step`` on ``lmesh`` (every 1-D and 2-D shape of its devices, or with
-  ``pinned`` input specs on ``lmesh``'s own shape) and compiles it.
+  """Plans ``step`` and compiles it: over every 1-D and 2-D shape of ``lmesh``'s devices,
+  or, with ``pinned`` (input position → spec), on ``lmesh`` itself with those inputs
+  fixed and the rest chosen.
 
   Of ``option.partition_constraints`` only the patterns matching a leaf of ``step``
   apply (a stage holds some of the parameters; :func:`check_constraints_used` checks
-  that each pattern matches somewhere)."""
-  constraints = {pattern: spec for pattern, spec in (option.partition_constraints or {}).items()
-                 if any(path_matches(pattern, leaf.path) for leaf in step.inputs)}
+  that each pattern matches somewhere). Pins are constraints on the exact leaf paths,
+  ahead of the user's patterns."""
+  constraints = {step.inputs[k].path: spec for k, spec in (pinned or {}).items()}
+  for pattern, spec in (option.partition_constraints or {}).items():
+    if any(path_matches(pattern, leaf.path) for leaf in step.inputs):
+      constraints.setdefault(pattern, spec)
   option = dataclasses.replace(option, partition_constraints=constraints or None)
-  method = m.ShardParallel(auto_sharding_option=option)
-  if pinned is not None:
-    entries = tuple(PlanEntry(leaf.path, leaf.shape, str(leaf.dtype), leaf.role,
-                              pinned.get(k, jax.sharding.PartitionSpec()))
-                    for k, leaf in enumerate(step.inputs))
-    method = m.ShardParallel(auto_sharding_option=option, plan=Plan(
-        method="ShardParallel", mesh_shape=lmesh.shape, axis_names=lmesh.axis_names,
-        inputs=entries))
+  method = m.ShardParallel(auto_sharding_option=option,
+                           logical_mesh_shape=None if pinned is None else lmesh.shape)
   result = plan_shard_parallel(method, step, lmesh)
   layout = result.layout
   mesh = layout.logical_mesh.mesh
-  ins = tuple(jax.sharding.NamedSharding(mesh, s) for s in layout.in_specs)
-  outs = tuple(jax.sharding.NamedSharding(mesh, s) for s in layout.out_specs)
+  ins = tuple(NamedSharding(mesh, s) for s in layout.in_specs)
+  outs = tuple(NamedSharding(mesh, s) for s in layout.out_specs)
   compiled = compile_layout(result.step, layout) if compile else None
   return PlannedProgram(compiled, result, ins, outs)
 
