@@ -8,9 +8,11 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jaxdist as jd
 from jaxdist import errors, models
+from jaxdist.shard.planner import path_matches
 from helpers import assert_trees_close, to_host
 
 
@@ -89,6 +91,43 @@ def test_pipeline_with_aux_and_a_batch_slice_outside_the_loss():
   method = jd.PipeshardParallel(num_micro_batches=2, layer_option=jd.AutoLayerOption(layer_num=2))
   actual = jd.parallelize(lambda s, b: step(s, b, jd.value_and_grad), method=method)(make(), data)
   assert_trees_close(to_host(actual), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_each_stage_is_shard_parallel_on_its_sub_mesh():
+  """Stage programs are planned by the shard ILP on the given sub-mesh shapes; the
+  options apply per stage (ZeRO-3: every parameter sharded; a partition constraint on
+  the parameters it matches), and the state lives sharded as the stage's programs read it."""
+  make, batch = _gpt()
+  serial = jax.jit(models.lm_step())
+  s1, m1 = serial(make(), batch)
+  expected = (to_host((s1, m1)), to_host(serial(s1, batch)))
+  pattern = "*block_3*Dense_0*kernel*"
+  option = jd.AutoShardingOption(force_zero_stage_3=True,
+                                 partition_constraints={pattern: P(None, "mesh_1")})
+  method = jd.PipeshardParallel(
+      num_micro_batches=2, default_auto_sharding_option=option,
+      stage_option=jd.ManualStageOption([[0, 1, 2], [3, 4, 5]], [(2, 2), (1, 4)]))
+  step = jd.parallelize(models.lm_step(jd.value_and_grad), method=method)
+  state = make()
+  exe = step.get_executable(state, batch)
+  assert [st.mesh.shape for st in exe.stages] == [(2, 2), (1, 4)]
+  p1, n1 = exe(state, batch)
+  assert_trees_close((to_host((p1, n1)), to_host(exe(p1, batch))), expected, rtol=1e-5, atol=1e-6)
+  leaves = jax.tree_util.tree_leaves_with_path(p1.params)
+  for path, x in leaves:
+    name = jax.tree_util.keystr(path)
+    assert not x.sharding.is_fully_replicated, (name, x.sharding)  # ZeRO-3 within the stage
+    assert len(x.sharding.device_set) == 4
+    if path_matches(pattern, name):
+      assert x.sharding.spec == P(None, "mesh_1"), (name, x.sharding)
+  assert any(path_matches(pattern, jax.tree_util.keystr(p)) for p, _ in leaves)
+  assert exe.auto_sharding_objective > 0
+  assert any("as a (2, 2) mesh" in note for note in exe.plan.notes), exe.plan.notes
+
+  bad = jd.AutoShardingOption(partition_constraints={"*no_such_layer*": P()})
+  with pytest.raises(errors.InvalidArgumentError, match=r"'\*no_such_layer\*' matches no"):
+    jd.parallelize(models.lm_step(jd.value_and_grad), method=jd.PipeshardParallel(
+        default_auto_sharding_option=bad)).get_executable(make(), batch)
 
 
 def test_pipeline_errors():

@@ -69,7 +69,9 @@ class Stage:
   Attributes:
     layers: (first, last + 1) layer indices.
     eqns: equation indices of the loss jaxpr it evaluates.
-    mesh: its sub-mesh (1-D).
+    mesh: its sub-mesh: 1-D until compiled, then the shape its shard plan chose.
+    mesh_shape: the sub-mesh shape given by the stage option, or None (searched).
+    objectives: its forward's and backward's shard-plan objectives (seconds).
     operands: positions of the ``pipeline_loss`` operands it reads.
     acts_in: loss-jaxpr variables it reads from earlier stages.
     acts_out: variables it computes that later stages or the loss outputs read.
@@ -97,6 +99,7 @@ class Stage:
   cot_avals: list = dataclasses.field(default_factory=list)
   grad_avals: list = dataclasses.field(default_factory=list)
   objectives: tuple[float, float] | None = None
+  mesh_shape: tuple[int, ...] | None = None
   diff: list = dataclasses.field(default_factory=list)
   float_in: list = dataclasses.field(default_factory=list)
   float_out: list = dataclasses.field(default_factory=list)
@@ -259,7 +262,8 @@ def _auto_stage_layout(method: m.PipeshardParallel, loss: capture.CapturedLoss, 
 
 
 def _stage_layout(method: m.PipeshardParallel, num_layers: int, lmesh: LogicalMesh):
-  """Per stage (first layer, last layer + 1) and its device count."""
+  """Per stage (first layer, last layer + 1), its device count and its sub-mesh shape
+  (None: the stage's shard planner searches the shapes)."""
   n = lmesh.num_devices
   opt = method.stage_option
   if isinstance(opt, m.ManualStageOption):
@@ -275,7 +279,7 @@ def _stage_layout(method: m.PipeshardParallel, num_layers: int, lmesh: LogicalMe
       raise errors.InvalidArgumentError(
           f"ManualStageOption(submesh_shapes={opt.submesh_shapes!r}): need one shape per stage "
           f"({len(ids)}) whose device counts add up to the {n} devices.")
-    return [(s[0], s[-1] + 1) for s in ids], sizes
+    return [(s[0], s[-1] + 1) for s in ids], sizes, [tuple(s) for s in shapes]
   num_stages = opt.num_stages if isinstance(opt, m.UniformStageOption) else None
   if num_stages is None:  # as many as possible: the most equal sub-meshes, one layer or more each
     num_stages = max(d for d in range(1, min(n, num_layers) + 1) if n % d == 0)
@@ -293,7 +297,8 @@ def _stage_layout(method: m.PipeshardParallel, num_layers: int, lmesh: LogicalMe
         f"UniformStageOption(submesh_shape={shape!r}) has {math.prod(shape)} devices, but "
         f"{num_stages} stages on {n} devices have {n // num_stages} each.")
   bounds = [round(i * num_layers / num_stages) for i in range(num_stages + 1)]
-  return list(zip(bounds, bounds[1:])), [n // num_stages] * num_stages
+  return (list(zip(bounds, bounds[1:])), [n // num_stages] * num_stages,
+          [None if shape is None else tuple(shape)] * num_stages)
 
 
 def make_stage(loss: capture.CapturedLoss, starts, first: int, last: int, devices) -> Stage:
@@ -335,12 +340,14 @@ def build_stages(method: m.PipeshardParallel, loss: capture.CapturedLoss, lmesh:
   if method.stage_option == "auto":
     predicted = _auto_stage_layout(method, loss, starts, lmesh, state_factor, program_cost)
     ranges, sizes = list(predicted.layer_ranges), list(predicted.submesh_sizes)
+    shapes = [None] * len(ranges)
   else:
-    ranges, sizes = _stage_layout(method, len(starts), lmesh)
+    ranges, sizes, shapes = _stage_layout(method, len(starts), lmesh)
   devices = list(lmesh.devices)
   stages, offset = [], 0
-  for (first, last), size in zip(ranges, sizes):
+  for (first, last), size, shape in zip(ranges, sizes, shapes):
     stages.append(make_stage(loss, starts, first, last, devices[offset:offset + size]))
+    stages[-1].mesh_shape = shape
     offset += size
   return stages, starts, predicted
 
@@ -381,8 +388,9 @@ class PipelineExecutable:
   """A step compiled for PipeshardParallel (see the module docstring).
 
   Attributes:
-    plan: the :class:`~jaxdist.plan.Plan` (stages, layers and sub-meshes in its notes);
-      its input specs hold within each leaf's home (``input_shardings`` gives the home).
+    plan: the :class:`~jaxdist.plan.Plan` (stages, layers, sub-meshes and their shard
+      plans' objectives in its notes); each input's spec holds on its home's mesh
+      (``input_shardings`` gives the home: a stage's sub-mesh, or all devices).
     stages: the :class:`Stage` list.
     schedule: the :class:`~jaxdist.pipeline.schedule.Schedule` the driver runs.
     stats: after a call, ``{"max_in_flight": per stage the most micro-batches whose
@@ -391,7 +399,8 @@ class PipelineExecutable:
       the driver's own overhead; XLA:CPU runs most of them synchronously, so there it
       includes their compute).
     input_shardings, output_shardings: pytrees of ``NamedSharding``.
-    auto_sharding_objective: None (no shard plan per stage yet).
+    auto_sharding_objective: the stages' shard-plan objectives (forward + backward, per
+      micro-batch) combined as a pipelined step, ``Σ c + (micro-batches − 1) · max c``.
   """
 
   def __init__(self, method: m.PipeshardParallel, step: TracedStep, lmesh: LogicalMesh,
@@ -457,18 +466,21 @@ class PipelineExecutable:
     self.stats: dict = {}
     self.plan = Plan(
         method=method.name, mesh_shape=lmesh.shape, axis_names=lmesh.axis_names,
-        inputs=tuple(PlanEntry(leaf.path, leaf.shape, str(leaf.dtype), leaf.role, PartitionSpec())
-                     for leaf in step.inputs),
+        inputs=tuple(PlanEntry(leaf.path, leaf.shape, str(leaf.dtype), leaf.role, home.spec)
+                     for leaf, home in zip(step.inputs, self._input_homes)),
         num_micro_batches=k,
         notes=(f"{len(starts)} layers starting at loss equations {list(starts)}",
                *(f"stage {s}: layers {st.layers[0]}..{st.layers[1] - 1}, {len(st.eqns)} "
-                 f"equations, devices {[d.id for d in st.mesh.devices]}"
+                 f"equations, devices {[d.id for d in st.mesh.devices]} as a {st.mesh.shape} mesh, "
+                 f"shard plans' objectives {st.objectives[0]:.3g} s forward, "
+                 f"{st.objectives[1]:.3g} s backward"
                  for s, st in enumerate(self.stages)),
                f"schedule {self.schedule.name}: {self.schedule.num_clocks} clocks",
                *([] if predicted is None else [
                    f"auto stages: predicted {[f'{c:.3g}' for c in predicted.stage_costs]} s per "
                    f"micro-batch, {predicted.step_time:.3g} s per step"])))
-    self.auto_sharding_objective = None
+    costs = [sum(st.objectives) for st in self.stages]
+    self.auto_sharding_objective = sum(costs) + (k - 1) * max(costs)
     self.input_shardings = tree_util.tree_unflatten(step.in_tree, self._input_homes)
     self.output_shardings = tree_util.tree_unflatten(step.out_tree, self._output_homes)
 
@@ -656,7 +668,7 @@ class PipelineExecutable:
     self._cot_shardings = {}  # a float activation: where its producer's backward takes its cotangent
     for stage in self.stages:
       bwd_step, fwd_step = self._program_steps(stage)
-      bwd = stage_shard.plan_program(bwd_step, stage.mesh, option)
+      bwd = stage_shard.plan_program(bwd_step, stage.mesh, option, mesh_shape=stage.mesh_shape)
       n_ops, n_in, n_cots = len(stage.operands), len(stage.acts_in), len(stage.float_out)
       fwd = stage_shard.plan_program(fwd_step, bwd.lmesh, option,
                                      dict(enumerate(bwd.result.layout.in_specs[:n_ops + n_in])))

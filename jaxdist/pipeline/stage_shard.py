@@ -80,11 +80,11 @@ def program_step(fun, groups, roles, paths, tied: dict[int, int] | None = None,
 
 
 def plan_program(step: TracedStep, lmesh: LogicalMesh, option: m.AutoShardingOption,
-                 pinned: dict[int, PartitionSpec] | None = None,
-                 compile: bool = True) -> PlannedProgram:
-  """Plans ``step`` and compiles it: over every 1-D and 2-D shape of ``lmesh``'s devices,
-  or, with ``pinned`` (input position → spec), on ``lmesh`` itself with those inputs
-  fixed and the rest chosen.
+                 pinned: dict[int, PartitionSpec] | None = None, compile: bool = True,
+                 mesh_shape: tuple[int, ...] | None = None) -> PlannedProgram:
+  """Plans ``step`` and compiles it: over every 1-D and 2-D shape of ``lmesh``'s devices
+  (or ``mesh_shape`` only), or, with ``pinned`` (input position → spec), on ``lmesh``
+  itself with those inputs fixed and the rest chosen.
 
   Of ``option.partition_constraints`` only the patterns matching a leaf of ``step``
   apply (a stage holds some of the parameters; :func:`check_constraints_used` checks
@@ -96,7 +96,7 @@ def plan_program(step: TracedStep, lmesh: LogicalMesh, option: m.AutoShardingOpt
       constraints.setdefault(pattern, spec)
   option = dataclasses.replace(option, partition_constraints=constraints or None)
   method = m.ShardParallel(auto_sharding_option=option,
-                           logical_mesh_shape=None if pinned is None else lmesh.shape)
+                           logical_mesh_shape=mesh_shape if pinned is None else lmesh.shape)
   result = plan_shard_parallel(method, step, lmesh)
   layout = result.layout
   mesh = layout.logical_mesh.mesh
