@@ -1,6 +1,6 @@
 """Each stage program is a ShardParallel program: planned by the shard ILP on its sub-mesh.
 
-A stage program (``runtime._stage_functions``) is traced on flat leaves into a
+A stage program (``partition.stage_functions``) is traced on flat leaves into a
 :class:`~jaxdist.trace.TracedStep` of its own, whose input roles tell the planner what
 each leaf is: the stage's differentiated operands are parameters, micro-batch slices,
 activations and cotangents are batch, and the gradient accumulator is state updated in

@@ -1,0 +1,264 @@
+"""Cutting the loss into stages: layers, stage ranges and sub-meshes, and each stage's
+forward and backward functions (compiled by ``runtime.PipelineExecutable``).
+
+Layers come from ``layers.py`` (manual boundaries or the clustering DP); consecutive
+layers form stages uniformly, by hand (``ManualStageOption``), or by Alpa's stage DP
+(``stages.py``) with costs from the shard ILP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+
+from jaxdist import errors
+from jaxdist import jaxpr_util
+from jaxdist import methods as m
+from jaxdist.mesh import LogicalMesh
+from jaxdist.pipeline import capture, layers as layers_mod
+from jaxdist.pipeline.stages import StagePlan, auto_stages
+
+STAGE_AXIS = "mesh_0"  # as ShardParallel names a 1-D mesh
+
+
+@dataclasses.dataclass
+class Stage:
+  """One stage: its equations of the loss jaxpr, its sub-mesh and its two programs.
+
+  Attributes:
+    layers: (first, last + 1) layer indices.
+    eqns: equation indices of the loss jaxpr it evaluates.
+    mesh: its sub-mesh: 1-D until compiled, then the shape its shard plan chose.
+    mesh_shape: the sub-mesh shape given by the stage option, or None (searched).
+    objectives: its forward's and backward's shard-plan objectives (seconds).
+    operands: positions of the ``pipeline_loss`` operands it reads.
+    acts_in: loss-jaxpr variables it reads from earlier stages.
+    acts_out: variables it computes that later stages or the loss outputs read.
+    forward, backward, zeros: compiled programs (set when compiled): the backward adds
+      a micro-batch's gradients to a donated accumulator, which ``zeros`` creates.
+    operand_avals, in_avals, out_avals: the programs' operands, activations in and out
+      (shapes and shardings on the sub-mesh; set when compiled).
+    diff: positions in ``operands`` of the float parameters it differentiates.
+    float_in, float_out: positions of float activations in and out (those with
+      cotangents).
+  """
+
+  layers: tuple[int, int]
+  eqns: tuple[int, ...]
+  mesh: LogicalMesh
+  operands: tuple[int, ...]
+  acts_in: tuple
+  acts_out: tuple
+  forward: object = None
+  backward: object = None
+  zeros: object = None
+  operand_avals: list = dataclasses.field(default_factory=list)
+  in_avals: list = dataclasses.field(default_factory=list)
+  out_avals: list = dataclasses.field(default_factory=list)
+  cot_avals: list = dataclasses.field(default_factory=list)
+  grad_avals: list = dataclasses.field(default_factory=list)
+  objectives: tuple[float, float] | None = None
+  mesh_shape: tuple[int, ...] | None = None
+  diff: list = dataclasses.field(default_factory=list)
+  float_in: list = dataclasses.field(default_factory=list)
+  float_out: list = dataclasses.field(default_factory=list)
+
+  def run_forward(self, operands, acts_in) -> list:
+    return list(self.forward(*operands, *acts_in))
+
+  def run_backward(self, operands, acts_in, cotangents, accumulated):
+    """(the accumulator plus this micro-batch's gradients, cotangents of acts_in)."""
+    outs = self.backward(*operands, *acts_in, *cotangents, *accumulated)
+    return list(outs[:len(self.diff)]), list(outs[len(self.diff):])
+
+
+def _is_float(aval) -> bool:
+  return jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+def _layer_starts(method: m.PipeshardParallel, jaxpr) -> tuple[int, ...]:
+  if method.layer_option == "manual":
+    return layers_mod.manual_starts(
+        jaxpr, "PipeshardParallel(layer_option='manual'), in the function passed to "
+        "jaxdist.grad / value_and_grad")
+  opt = method.layer_option
+  return layers_mod.cluster_layers(jaxpr, opt.layer_num, opt.eps).starts
+
+
+def _auto_stage_layout(method: m.PipeshardParallel, loss: capture.CapturedLoss, starts,
+                       lmesh: LogicalMesh, state_factor: float, program_cost) -> StagePlan:
+  """Alpa's stage DP with the cost per micro-batch of layers i..j-1 on n devices
+
+      Σ_{i ≤ l < j} program_cost(layer l alone on n devices)  +  β · A
+
+  (the shard ILP's objective for each layer's forward and backward programs on the
+  sub-mesh, summed; A the bytes of activations the stage receives), and a memory check:
+  ``P · (state_factor + 1) + in_flight · A / n + W / n ≤ budget`` per device, with P the
+  stage's parameter bytes and W the bytes its equations write for one micro-batch (the
+  working set).
+  """
+  jaxpr = loss.closed.jaxpr
+  n_eqns = len(jaxpr.eqns)
+  ends = starts[1:] + (n_eqns,)
+  cross = layers_mod.crossing_bytes(jaxpr)
+  params = set(jaxpr.invars[loss.num_consts:])
+  param_vars, written = [], []
+  for a, b in zip(starts, ends):
+    eqns = jaxpr.eqns[a:b]
+    param_vars.append({v for e in eqns for v in e.invars
+                       if not isinstance(v, jex.Literal) and v in params})
+    written.append(sum(layers_mod.var_bytes(v) for e in eqns for v in e.outvars))
+  beta = lmesh.beta[0]
+  k = method.num_micro_batches or 1
+  devices = lmesh.devices
+
+  @functools.lru_cache(maxsize=None)  # the DP asks for the same ranges many times
+  def param_bytes(i, j):
+    return sum(layers_mod.var_bytes(v) for v in set().union(*param_vars[i:j]))
+
+  @functools.lru_cache(maxsize=None)
+  def layer_cost(layer, n):
+    return program_cost(make_stage(loss, starts, layer, layer + 1, devices[:n]))
+
+  def cost(i, j, n):
+    return sum(layer_cost(layer, n) for layer in range(i, j)) + beta * cross[starts[i]]
+
+  opt = method.default_auto_sharding_option
+  budget = opt.memory_budget_per_device if opt is not None else None
+
+  def fits(i, j, n, in_flight):
+    need = (param_bytes(i, j) * (state_factor + 1) + in_flight * cross[starts[i]] / n
+            + sum(written[i:j]) / n)
+    return need <= budget
+
+  return auto_stages(cost, len(starts), lmesh.num_devices, k, fits=fits if budget else None,
+                     max_bubble_ratio=method.max_pipeline_bubble_ratio,
+                     max_unbalance_ratio=method.max_pipeline_unbalance_ratio)
+
+
+def _stage_layout(method: m.PipeshardParallel, num_layers: int, lmesh: LogicalMesh):
+  """Per stage (first layer, last layer + 1), its device count and its sub-mesh shape
+  (None: the stage's shard planner searches the shapes)."""
+  n = lmesh.num_devices
+  opt = method.stage_option
+  if isinstance(opt, m.ManualStageOption):
+    ids = [list(s) for s in opt.forward_stage_layer_ids or []]
+    flat = [i for s in ids for i in s]
+    if not ids or flat != list(range(num_layers)) or any(not s for s in ids):
+      raise errors.InvalidArgumentError(
+          f"ManualStageOption(forward_stage_layer_ids={opt.forward_stage_layer_ids!r}) must "
+          f"list the layers 0..{num_layers - 1} in order, each stage a non-empty run.")
+    shapes = list(opt.submesh_shapes or [])
+    sizes = [math.prod(s) for s in shapes]
+    if len(shapes) != len(ids) or sum(sizes) != n:
+      raise errors.InvalidArgumentError(
+          f"ManualStageOption(submesh_shapes={opt.submesh_shapes!r}): need one shape per stage "
+          f"({len(ids)}) whose device counts add up to the {n} devices.")
+    return [(s[0], s[-1] + 1) for s in ids], sizes, [tuple(s) for s in shapes]
+  num_stages = opt.num_stages if isinstance(opt, m.UniformStageOption) else None
+  if num_stages is None:  # as many as possible: the most equal sub-meshes, one layer or more each
+    num_stages = max(d for d in range(1, min(n, num_layers) + 1) if n % d == 0)
+  if num_stages > num_layers:
+    raise errors.InvalidArgumentError(
+        f"PipeshardParallel: {num_stages} stages but only {num_layers} layers; use at most "
+        f"{num_layers} stages or more layers.")
+  if n % num_stages:
+    raise errors.InvalidArgumentError(
+        f"PipeshardParallel: {num_stages} equal sub-meshes do not tile the {n} devices; use a "
+        f"number of stages that divides {n}, or ManualStageOption.")
+  shape = opt.submesh_shape if isinstance(opt, m.UniformStageOption) else None
+  if shape is not None and math.prod(shape) != n // num_stages:
+    raise errors.InvalidArgumentError(
+        f"UniformStageOption(submesh_shape={shape!r}) has {math.prod(shape)} devices, but "
+        f"{num_stages} stages on {n} devices have {n // num_stages} each.")
+  bounds = [round(i * num_layers / num_stages) for i in range(num_stages + 1)]
+  return (list(zip(bounds, bounds[1:])), [n // num_stages] * num_stages,
+          [None if shape is None else tuple(shape)] * num_stages)
+
+
+def make_stage(loss: capture.CapturedLoss, starts, first: int, last: int, devices) -> Stage:
+  """The stage running layers ``first..last-1`` of the loss on ``devices`` (uncompiled)."""
+  jaxpr = loss.closed.jaxpr
+  layer_ends = starts[1:] + (len(jaxpr.eqns),)
+  skip = set(jaxpr_util.find_eqns(jaxpr, layers_mod.boundary_p.name))
+  operand_index = {v: k for k, v in enumerate(jaxpr.invars)}
+  ids = tuple(i for i in range(starts[first], layer_ends[last - 1]) if i not in skip)
+  defined = {v for i in ids for v in jaxpr.eqns[i].outvars}
+  reads = [v for i in ids for v in jaxpr.eqns[i].invars
+           if not isinstance(v, jex.Literal) and v not in defined]
+  reads = list(dict.fromkeys(reads))
+  later = {v for i in range(layer_ends[last - 1], len(jaxpr.eqns)) for v in jaxpr.eqns[i].invars
+           if not isinstance(v, jex.Literal)}
+  later |= {v for v in jaxpr.outvars if not isinstance(v, jex.Literal)}
+  return Stage(
+      layers=(first, last), eqns=ids,
+      mesh=LogicalMesh((len(devices),), axis_names=(STAGE_AXIS,), devices=tuple(devices)),
+      operands=tuple(operand_index[v] for v in reads if v in operand_index),
+      acts_in=tuple(v for v in reads if v not in operand_index),
+      acts_out=tuple(v for v in dict.fromkeys(v for i in ids for v in jaxpr.eqns[i].outvars)
+                     if v in later and not isinstance(v, jex.DropVar)))
+
+
+def build_stages(method: m.PipeshardParallel, loss: capture.CapturedLoss, lmesh: LogicalMesh,
+                 state_factor: float = 1.0, program_cost=None):
+  """Cuts the loss into layers and stages.
+
+  Returns the stages, the layer starts and, for ``stage_option="auto"``, the
+  :class:`~jaxdist.pipeline.stages.StagePlan` with its predicted times (else None).
+  ``state_factor``: bytes of state (parameters and optimizer state) per parameter byte.
+  ``program_cost(stage)``: predicted seconds per micro-batch of an uncompiled stage's
+  programs, for ``"auto"`` (see :func:`_auto_stage_layout`).
+  """
+  jaxpr = loss.closed.jaxpr
+  starts = _layer_starts(method, jaxpr)
+  predicted = None
+  if method.stage_option == "auto":
+    predicted = _auto_stage_layout(method, loss, starts, lmesh, state_factor, program_cost)
+    ranges, sizes = list(predicted.layer_ranges), list(predicted.submesh_sizes)
+    shapes = [None] * len(ranges)
+  else:
+    ranges, sizes, shapes = _stage_layout(method, len(starts), lmesh)
+  devices = list(lmesh.devices)
+  stages, offset = [], 0
+  for (first, last), size, shape in zip(ranges, sizes, shapes):
+    stages.append(make_stage(loss, starts, first, last, devices[offset:offset + size]))
+    stages[-1].mesh_shape = shape
+    offset += size
+  return stages, starts, predicted
+
+
+def stage_functions(loss: capture.CapturedLoss, stage: Stage):
+  jaxpr = loss.closed.jaxpr
+  operand_vars = [jaxpr.invars[k] for k in stage.operands]
+  diff = [p for p, k in enumerate(stage.operands)
+          if k >= loss.num_consts and _is_float(jaxpr.invars[k].aval)]
+  float_in = [p for p, v in enumerate(stage.acts_in) if _is_float(v.aval)]
+  float_out = [p for p, v in enumerate(stage.acts_out) if _is_float(v.aval)]
+
+  def forward(operands, acts_in):
+    env = dict(zip(operand_vars, operands))
+    env.update(zip(stage.acts_in, acts_in))
+    jaxpr_util.eval_eqns(jaxpr, env, stage.eqns)
+    return [env[v] for v in stage.acts_out]
+
+  def backward(operands, acts_in, cotangents, accumulated):
+    """Adds this micro-batch's gradients to ``accumulated`` (donated by the caller)."""
+    def differentiable(diff_ops, float_acts):
+      ops, acts = list(operands), list(acts_in)
+      for p, x in zip(diff, diff_ops):
+        ops[p] = x
+      for p, x in zip(float_in, float_acts):
+        acts[p] = x
+      outs = forward(ops, acts)
+      return [outs[p] for p in float_out]
+
+    _, vjp = jax.vjp(differentiable, [operands[p] for p in diff], [acts_in[p] for p in float_in])
+    op_grads, act_cots = vjp(list(cotangents))
+    return [a + g for a, g in zip(accumulated, op_grads)], act_cots
+
+  return forward, backward, diff, float_in, float_out
