@@ -65,6 +65,8 @@ def test_two_process_pipeline_with_one_stage_per_process_matches_serial():
     state, metrics = step(state, batch)
     losses.append(float(metrics["loss"]))
   np.testing.assert_allclose(result["losses"], losses, rtol=1e-5)
+  sums = [float(np.asarray(x).sum()) for x in jax.tree.leaves(state.params)]
+  np.testing.assert_allclose(result["param_sums"], sums, rtol=1e-5, atol=1e-5)
 
 
 def test_a_failing_process_fails_the_launch():

@@ -63,6 +63,40 @@ from jaxdist.shard.cost import CostModel
 from jaxdist.trace import BATCH, INPUT, OPTIMIZER, PARAM, TracedStep
 
 
+def replicate(x: jax.Array, full: NamedSharding) -> jax.Array:
+  """``x`` (a value on a sub-mesh of ``full``'s devices) replicated over all of them.
+
+  One process: ``device_put``. Several: ``x`` is first replicated on its own sub-mesh,
+  then copied to every other run of as many devices in ``full``'s order (each copy a
+  :func:`move`, cross-process where it must be), and the copies' local shards are
+  assembled into one global array.
+
+  Raises:
+    InvalidArgumentError: in a multi-process job, a sub-mesh whose size does not divide
+      the device count.
+  """
+  if x.sharding.is_equivalent_to(full, x.ndim):
+    return x
+  if jax.process_count() == 1:
+    return place(x, full)
+  mesh = x.sharding.mesh
+  devices = list(full.mesh.devices.flat)
+  n = mesh.devices.size
+  if len(devices) % n:
+    raise errors.InvalidArgumentError(
+        f"gathering a value from a sub-mesh of {n} devices onto all {len(devices)} across "
+        f"processes needs sub-meshes whose size divides the device count.")
+  here = move(x, NamedSharding(mesh, PartitionSpec()))
+  shards = []
+  for start in range(0, len(devices), n):
+    group = np.array(devices[start:start + n], dtype=object).reshape(mesh.devices.shape)
+    copy = move(here, NamedSharding(jax.sharding.Mesh(group, mesh.axis_names,
+                                                      axis_types=mesh.axis_types),
+                                    PartitionSpec()))
+    shards += [shard.data for shard in copy.addressable_shards]
+  return jax.make_array_from_single_device_arrays(x.shape, full, shards, dtype=x.dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class StageReport:
   """What one stage is and costs (``PipelineExecutable.stage_report()``).
@@ -594,9 +628,10 @@ class PipelineExecutable:
 
   def gather(self, tree):
     """``tree`` (a state this step returned) with every array replicated over all the
-    method's devices: one global layout, for checkpointing (orbax) or evaluation. One
-    process only (a sub-mesh to all devices is no cross-process move)."""
-    return jax.tree.map(lambda x: place(x, self._full) if isinstance(x, jax.Array) else x, tree)
+    method's devices: one global layout, for checkpointing (orbax) or evaluation. In a
+    multi-process job every process must call it, in the same order (see :func:`replicate`)."""
+    return jax.tree.map(lambda x: replicate(x, self._full) if isinstance(x, jax.Array) else x,
+                        tree)
 
   # ---- introspection --------------------------------------------------------------------
 
