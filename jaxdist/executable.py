@@ -39,6 +39,23 @@ def place(x, sharding: NamedSharding, donated: bool = False):
                                       dtype=jax.dtypes.canonicalize_dtype(host.dtype))
 
 
+def place_inputs(step: TracedStep, leaves, shardings) -> list:
+  """Each dynamic input leaf in its sharding (copied where it moves and is donated).
+
+  Raises:
+    InvalidArgumentError: a leaf whose buffer an earlier call consumed (executing on a
+      deleted buffer crashes the CPU runtime on jax 0.10.2 instead of raising).
+  """
+  placed = [place(x, s, leaf.argnum in step.donated_argnums)
+            for x, s, leaf in zip(leaves, shardings, step.inputs)]
+  for x, leaf in zip(placed, step.inputs):
+    if isinstance(x, jax.Array) and x.is_deleted():
+      raise errors.InvalidArgumentError(
+          f"{leaf.path} was deleted: its buffer was donated to an earlier call. Pass the "
+          f"state that call returned, or parallelize with donate_argnums=().")
+  return placed
+
+
 class Executable:
   """A step compiled for one abstract signature of its arguments.
 
@@ -55,7 +72,6 @@ class Executable:
     self._step = step
     self._compiled = compiled
     self._dyn_argnums = dyn_argnums
-    self._donated = tuple(leaf.argnum in step.donated_argnums for leaf in step.inputs)
     mesh = layout.logical_mesh.mesh
     self._in_shardings = tuple(NamedSharding(mesh, s) for s in layout.in_specs)
     self._out_shardings = tuple(NamedSharding(mesh, s) for s in layout.out_specs)
@@ -71,13 +87,7 @@ class Executable:
 
   def call_flat(self, leaves):
     """Runs the step on the flat dynamic leaves; returns the output pytree."""
-    placed = [place(x, s, d) for x, s, d in zip(leaves, self._in_shardings, self._donated)]
-    for k, x in enumerate(placed):
-      # Executing on a deleted buffer crashes the CPU runtime (jax 0.10.2) instead of raising.
-      if isinstance(x, jax.Array) and x.is_deleted():
-        raise errors.InvalidArgumentError(
-            f"{self._step.inputs[k].path} was deleted: its buffer was donated to an earlier "
-            f"call. Pass the state that call returned, or parallelize with donate_argnums=().")
+    placed = place_inputs(self._step, leaves, self._in_shardings)
     out = self._compiled(*placed)
     return tree_util.tree_unflatten(self._step.out_tree, out)
 

@@ -46,9 +46,14 @@ def test_pipeline_matches_serial_twice_in_a_row(method, in_flight):
   exe = jd.parallelize(models.lm_step(jd.value_and_grad), method=method).get_executable(state,
                                                                                          batch)
   p1, n1 = exe(state, batch)
-  first = to_host((p1, n1))
-  actual = (first, to_host(exe(p1, batch)))
-  assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6)
+  # (Copies: a numpy view of p1's buffers would keep the next call from reusing them.)
+  first = to_host(jax.tree.map(jnp.copy, (p1, n1)))
+  p2, n2 = exe(p1, batch)
+  assert_trees_close((first, to_host((p2, n2))), expected, rtol=1e-5, atol=1e-6)
+  # The state was donated (donate_argnums="auto"): each stage's update reused its buffers.
+  alive = [jax.tree_util.keystr(k) for k, x in jax.tree_util.tree_leaves_with_path(
+      (p1.params, p1.opt_state)) if x.ndim and not x.is_deleted()]
+  assert not alive, alive
   in_flight_given = in_flight is not None
   if in_flight is None:  # chosen by the stage DP: 1F1B's bound for what it chose
     assert any("auto stages: predicted" in note for note in exe.plan.notes), exe.plan.notes
@@ -67,9 +72,11 @@ def test_pipeline_matches_serial_twice_in_a_row(method, in_flight):
   assert [r.layers for r in report] == [st.layers for st in exe.stages]
   assert all(r.forward_s > 0 and r.backward_s > 0 and r.bytes_per_device > 0 for r in report)
   assert all((r.predicted_s is None) == (in_flight_given) for r in report)
-  gathered = exe.gather(p1)
+  gathered = exe.gather(p2)
   assert all(x.sharding.device_set == set(jax.devices()) for x in jax.tree.leaves(gathered))
-  assert_trees_close(to_host(gathered), to_host(p1), rtol=0, atol=0)
+  assert_trees_close(to_host(gathered), to_host(p2), rtol=0, atol=0)
+  with pytest.raises(errors.InvalidArgumentError, match=r"was deleted: its buffer was donated"):
+    exe(p1, batch)
 
 
 def test_pipeline_with_aux_and_a_batch_slice_outside_the_loss():

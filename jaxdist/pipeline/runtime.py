@@ -30,9 +30,12 @@ summed.
 Every process of a ``jax.distributed`` job runs the same driver; stages may sit on
 different processes (see :func:`move` for what crosses them).
 
+State the caller donates (``donate_argnums``) is updated in place by the stage
+programs that own it, unless another program still reads it.
+
 Not yet: gradients reduced once per step (a stage plan that splits the batch reduces
 its gradients in every micro-batch's backward, as XLA partitions each program on its
-own), and donation of the pipelined state.
+own).
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from jaxdist import errors
 from jaxdist import inspect as hlo_inspect
 from jaxdist import jaxpr_util
 from jaxdist import methods as m
-from jaxdist.executable import place
+from jaxdist.executable import place, place_inputs
 from jaxdist.mesh import LogicalMesh
 from jaxdist.pipeline import capture, layers as layers_mod, stage_shard
 from jaxdist.pipeline.schedule import BACKWARD, FORWARD, Schedule, make_schedule
@@ -283,20 +286,27 @@ class PipelineExecutable:
 
   # ---- compilation -------------------------------------------------------------------
 
+  def _reads(self, writes) -> tuple[set, tuple]:
+    """The step's equations computing ``writes`` from step inputs and loss results, and
+    the variables they read."""
+    jaxpr = self._step.closed_jaxpr.jaxpr
+    ids = jaxpr_util.needed_eqns(jaxpr, writes, stop=[self._index]) - {self._index}
+    defined = {v for i in ids for v in jaxpr.eqns[i].outvars}
+    atoms = [v for i in sorted(ids) for v in jaxpr.eqns[i].invars] + list(writes)
+    return ids, tuple(dict.fromkeys(v for v in atoms if not isinstance(v, jex.Literal)
+                                    and v not in defined and v not in jaxpr.constvars))
+
   def _program(self, writes, sharding: NamedSharding, option=None, mesh=None,
-               pins=None) -> Program:
+               pins=None, keep=frozenset()) -> Program:
     """The equations of the step that compute ``writes`` from step inputs and loss results.
 
     Without ``option`` everything is replicated in ``sharding``; with it the program is
     planned by the shard ILP on ``mesh`` with ``pins`` (read variable → spec) fixed and
-    every written state leaf laid out as the input it updates."""
+    every written state leaf laid out as the input it updates, whose buffer it reuses if
+    the caller donated it and no program in ``keep`` (variables read elsewhere) needs it."""
     closed = self._step.closed_jaxpr
     jaxpr = closed.jaxpr
-    ids = jaxpr_util.needed_eqns(jaxpr, writes, stop=[self._index]) - {self._index}
-    defined = {v for i in ids for v in jaxpr.eqns[i].outvars}
-    atoms = [v for i in sorted(ids) for v in jaxpr.eqns[i].invars] + list(writes)
-    reads = tuple(dict.fromkeys(v for v in atoms if not isinstance(v, jex.Literal)
-                                and v not in defined and v not in jaxpr.constvars))
+    ids, reads = self._reads(writes)
 
     def run(*values):
       env = dict(zip(jaxpr.constvars, closed.consts))
@@ -321,10 +331,13 @@ class PipelineExecutable:
       src = self._step.output_source[out_index[v]]
       if src is not None and jaxpr.invars[src] in read_index:
         tied[w] = read_index[jaxpr.invars[src]]
+    # State the caller donated, updated here: its buffers become the new state's.
+    donated = frozenset(k for k in tied.values()
+                        if leaves[k].argnum in self._step.donated_argnums and reads[k] not in keep)
     planned = stage_shard.plan_program(
         stage_shard.program_step(lambda values: run(*values),
                                  [[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in reads]],
-                                 [roles], [paths], tied),
+                                 [roles], [paths], tied, donated),
         mesh, option, {read_index[v]: spec for v, spec in pins.items() if v in read_index})
     return Program(reads, tuple(writes), planned.in_shardings, planned.out_shardings,
                    planned.compiled)
@@ -394,15 +407,20 @@ class PipelineExecutable:
     computed = [v for v in eqn.invars if v not in direct and not isinstance(v, jex.Literal)]
     self._pre = self._program(computed, self._full) if computed else None
     self._applies = []
+    writes = [[jaxpr.outvars[o] for o, h in enumerate(self._output_homes) if h is home]
+              for home in homes]
+    reads = [self._reads(w)[1] if w else () for w in writes]
     for s, home in enumerate(homes):
       positions = [o for o, h in enumerate(self._output_homes) if h is home]
       if not positions:
         continue
-      writes = [jaxpr.outvars[o] for o in positions]
       if home is self._full:
-        program = self._program(writes, home)
+        program = self._program(writes[s], home)
       else:  # planned on the stage's mesh, the state laid out as its programs want it
-        program = self._program(writes, home, self._option, self.stages[s].mesh, pins[s])
+        elsewhere = {v for t, r in enumerate(reads) if t != s for v in r}
+        elsewhere |= set(self._pre.reads) if self._pre else set()
+        program = self._program(writes[s], home, self._option, self.stages[s].mesh, pins[s],
+                                keep=frozenset(elsewhere))
       self._applies.append(program)
       for o, sharding in zip(positions, program.out_shardings):
         self._output_homes[o] = sharding
@@ -440,7 +458,7 @@ class PipelineExecutable:
     before = len(ops) + len(acts_in) + len(cots)
     return (stage_shard.program_step(backward, [ops, acts_in, cots, grads], roles, names,
                                      tied={o: before + o for o in range(len(grads))},
-                                     donated_group=3),
+                                     donated=frozenset(range(before, before + len(grads)))),
             stage_shard.program_step(forward, [ops, acts_in], roles[:2], names[:2]))
 
   def _program_cost(self, option: m.AutoShardingOption, stage: Stage) -> float:
@@ -500,7 +518,7 @@ class PipelineExecutable:
     """Runs one step on the flat dynamic leaves; returns the output pytree."""
     jaxpr = self._step.closed_jaxpr.jaxpr
     eqn = jaxpr.eqns[self._index]
-    values = dict(zip(jaxpr.invars, [place(x, h) for x, h in zip(leaves, self._input_homes)]))
+    values = dict(zip(jaxpr.invars, place_inputs(self._step, leaves, self._input_homes)))
     if self._pre is not None:
       values.update(zip(self._pre.writes, self._run_program(self._pre, values)))
     values.update(zip(eqn.outvars, self._run_pipeline([jaxpr_util.read(values, v)

@@ -47,13 +47,13 @@ class PlannedProgram:
 
 
 def program_step(fun, groups, roles, paths, tied: dict[int, int] | None = None,
-                 donated_group: int | None = None) -> TracedStep:
+                 donated: frozenset[int] = frozenset()) -> TracedStep:
   """``fun(*groups)`` traced on flat leaves, each group a list of ``ShapeDtypeStruct``.
 
   ``roles``, ``paths``: per group, one role and one name per leaf (the names that
   ``partition_constraints`` patterns match). ``tied``: output position → the flat input
-  position it is the new value of (planned with the same sharding). ``donated_group``:
-  a group whose buffers the program may reuse (the gradient accumulator).
+  position it is the new value of (planned with the same sharding). ``donated``: flat
+  input positions whose buffers the program may reuse (marked as argument 1, the rest 0).
   """
   flat, in_tree = tree_util.tree_flatten(tuple(groups))
   avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in flat]
@@ -65,16 +65,17 @@ def program_step(fun, groups, roles, paths, tied: dict[int, int] | None = None,
     return out
 
   closed = jax.make_jaxpr(flat_fun)(*avals)
-  inputs = [LeafInfo(path, tuple(a.shape), a.dtype, g, role)
-            for g, (group, group_roles, group_paths) in enumerate(zip(groups, roles, paths))
-            for a, role, path in zip(group, group_roles, group_paths)]
+  named = [(a, role, path) for group, group_roles, group_paths in zip(groups, roles, paths)
+           for a, role, path in zip(group, group_roles, group_paths)]
+  inputs = [LeafInfo(path, tuple(a.shape), a.dtype, int(k in donated), role)
+            for k, (a, role, path) in enumerate(named)]
   out_avals = tuple(v.aval for v in closed.jaxpr.outvars)
   batch = [leaf.shape[0] for leaf in inputs if leaf.role == BATCH and leaf.shape]
   return TracedStep(
       closed_jaxpr=closed, in_tree=in_tree, out_tree=out_tree[0], inputs=tuple(inputs),
       out_avals=out_avals, out_paths=tuple(f"out[{o}]" for o in range(len(out_avals))),
       output_source=tuple((tied or {}).get(o) for o in range(len(out_avals))),
-      donated_argnums=() if donated_group is None else (donated_group,),
+      donated_argnums=(1,) if donated else (),
       batch_size=max(batch) if batch else None, roles_from_loss=True,
       depends_on_batch=(True,) * len(out_avals))
 
