@@ -386,10 +386,10 @@ class PipelineExecutable:
       owners.append(next(iter(stages)) if len(stages) == 1 and not shared else None)
     homes = [NamedSharding(st.mesh.mesh, PartitionSpec()) for st in self.stages] + [self._full]
     self._output_homes = [homes[-1 if o is None else o] for o in owners]
-    # A gradient lives on the stage that reads its operand, if only one does.
+    # A result lives on the one stage it belongs to (else on all devices); a gradient
+    # there stays as its stage's backward accumulated it.
     self._result_homes = [homes[next(iter(r))] if len(r) == 1 else self._full
                           for r in result_stages]
-    # A gradient owned by one stage stays as its backward accumulated it.
     pins = [{} for _ in self.stages]
     for j, (kind, r) in enumerate(zip(loss.kinds, result_stages)):
       if kind == capture.GRAD and len(r) == 1:
@@ -407,12 +407,11 @@ class PipelineExecutable:
     computed = [v for v in eqn.invars if v not in direct and not isinstance(v, jex.Literal)]
     self._pre = self._program(computed, self._full) if computed else None
     self._applies = []
-    writes = [[jaxpr.outvars[o] for o, h in enumerate(self._output_homes) if h is home]
-              for home in homes]
+    positions = [[o for o, h in enumerate(self._output_homes) if h is home] for home in homes]
+    writes = [[jaxpr.outvars[o] for o in ps] for ps in positions]
     reads = [self._reads(w)[1] if w else () for w in writes]
     for s, home in enumerate(homes):
-      positions = [o for o, h in enumerate(self._output_homes) if h is home]
-      if not positions:
+      if not writes[s]:
         continue
       if home is self._full:
         program = self._program(writes[s], home)
@@ -422,7 +421,7 @@ class PipelineExecutable:
         program = self._program(writes[s], home, self._option, self.stages[s].mesh, pins[s],
                                 keep=frozenset(elsewhere))
       self._applies.append(program)
-      for o, sharding in zip(positions, program.out_shardings):
+      for o, sharding in zip(positions[s], program.out_shardings):
         self._output_homes[o] = sharding
     self._input_homes = [self._full] * len(step.inputs)
     for o, src in enumerate(step.output_source):
