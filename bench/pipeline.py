@@ -56,10 +56,14 @@ def main():
   base = statistics.median(times["ShardParallel"])
   print(f"GPT width {CONFIG.width}, {CONFIG.depth} blocks, seq {CONFIG.seq_len}, batch {BATCH}, "
         f"{jax.device_count()} devices, {ROUNDS} alternating rounds")
-  print(f"{'method':<22} {'median step ms':>15} {'x ShardParallel':>16}")
+  print(f"{'method':<22} {'median step ms':>15} {'x ShardParallel':>16} {'collective MB/step':>19}")
   for name in methods:
     t = statistics.median(times[name])
-    print(f"{name:<22} {t * 1e3:>15.1f} {t / base:>16.2f}")
+    comm = steps[name].get_executable(states[name], batch).communication()
+    wire = sum(c.wire_bytes for c in comm.values()) / 1e6
+    print(f"{name:<22} {t * 1e3:>15.1f} {t / base:>16.2f} {wire:>19.1f}")
+  print("(collective bytes on the wire per device, from the compiled programs; a pipeline's "
+        "moves between sub-meshes are transfers, not collectives, and are not counted)")
   print(f"driver loop time per stage program on this model (XLA:CPU runs most programs "
         f"synchronously, so this includes their compute): "
         f"{statistics.median(overhead) * 1e3:.1f} ms")
