@@ -131,8 +131,9 @@ def test_each_stage_is_shard_parallel_on_its_sub_mesh():
   assert exe.auto_sharding_objective > 0
   assert any("as a (2, 2) mesh" in note for note in exe.plan.notes), exe.plan.notes
 
-  bad = jd.AutoShardingOption(partition_constraints={"*no_such_layer*": P()})
-  with pytest.raises(errors.InvalidArgumentError, match=r"'\*no_such_layer\*' matches no"):
+  bad = jd.AutoShardingOption(partition_constraints={"*block_3*Dense_0*kernel": P()})
+  with pytest.raises(errors.InvalidArgumentError, match=r"kernel' matches no parameter.*mean "
+                     r"'\*block_3\*Dense_0\*kernel\*'"):
     jd.parallelize(models.lm_step(jd.value_and_grad), method=jd.PipeshardParallel(
         default_auto_sharding_option=bad)).get_executable(make(), batch)
 

@@ -22,7 +22,8 @@ from jaxdist import errors
 from jaxdist import methods as m
 from jaxdist.executable import compile_layout
 from jaxdist.mesh import LogicalMesh
-from jaxdist.shard.planner import ShardPlanResult, path_matches, plan_shard_parallel
+from jaxdist.shard.planner import (ShardPlanResult, path_matches, pattern_help,
+                                   plan_shard_parallel)
 from jaxdist.trace import BATCH, INPUT, PARAM, LeafInfo, TracedStep
 
 
@@ -120,5 +121,4 @@ def check_constraints_used(option: m.AutoShardingOption, paths) -> None:
     if not any(path_matches(pattern, path) for path in paths):
       raise errors.InvalidArgumentError(
           f"default_auto_sharding_option.partition_constraints pattern {pattern!r} matches no "
-          f"parameter of the pipelined loss; patterns match whole leaf paths with * and ? as "
-          f"wildcards, e.g. {', '.join(list(paths)[:3])}.")
+          f"parameter of the pipelined loss; {pattern_help(pattern, paths)}")

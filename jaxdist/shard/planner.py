@@ -207,11 +207,23 @@ def _input_choices(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOpti
           specs = [s for s in specs if any(s)]
     choices[k] = specs
   if unused:
-    examples = ", ".join(leaf.path for leaf in step.inputs[:4])
+    pattern = sorted(unused)[0]
     raise errors.InvalidArgumentError(
-        f"partition_constraints pattern {sorted(unused)[0]!r} matches no leaf; patterns match "
-        f"whole leaf paths with * and ? as wildcards, e.g. {examples}.")
+        f"partition_constraints pattern {pattern!r} matches no leaf; "
+        f"{pattern_help(pattern, [leaf.path for leaf in step.inputs])}")
   return choices
+
+
+def pattern_help(pattern: str, paths) -> str:
+  """How patterns match, a few example paths, and the pattern with ``*`` at both ends
+  if that would match (``*kernel`` misses ``...['kernel']`` by its closing ``']``)."""
+  paths = list(paths)
+  text = (f"patterns match whole leaf paths with * and ? as wildcards, e.g. "
+          f"{', '.join(paths[:3])}.")
+  wider = "*" + pattern.strip("*") + "*"
+  if wider != pattern and any(path_matches(wider, p) for p in paths):
+    text += f" Did you mean {wider!r}?"
+  return text
 
 
 def path_matches(pattern: str, path: str) -> bool:
