@@ -158,7 +158,13 @@ class ParallelizedFunc:
                 with_micro_batch_trace(self.fun, args, static, step, k, jaxpr_util.CALLS))
       if request is not None:
         request.check_all_matched(self.method.name)
-      return PipelineExecutable(self.method, step, lmesh, dyn_argnums)
+
+      def retrace(divisor):  # the step at 1/divisor of the batch (per-device stages)
+        with recomputing(request), capture.capturing():
+          return with_micro_batch_trace(self.fun, args, static, step, divisor,
+                                        jaxpr_util.CALLS).micro_jaxpr
+
+      return PipelineExecutable(self.method, step, lmesh, dyn_argnums, retrace)
     with recomputing(request):
       step = trace_step(self.fun, args, static, self.batch_argnums, self.donate_argnums)
       if request is not None:

@@ -35,7 +35,12 @@ class Stage:
     eqns: equation indices of the loss jaxpr it evaluates.
     mesh: its sub-mesh: 1-D until compiled, then the shape its shard plan chose.
     mesh_shape: the sub-mesh shape given by the stage option, or None (searched).
-    objectives: its forward's and backward's shard-plan objectives (seconds).
+    objectives: its forward's and backward's shard-plan objectives (seconds; the forward's
+      None where the stage runs per device).
+    grad_homes: where each gradient lives once the step's micro-batches are summed.
+    reduce: for a stage run per device, the program summing the devices' gradient rows
+      (the step's one all-reduce); else None.
+    note: how the stage runs (per device, or why not).
     operands: positions of the ``pipeline_loss`` operands it reads.
     acts_in: loss-jaxpr variables it reads from earlier stages.
     acts_out: variables it computes that later stages or the loss outputs read.
@@ -62,7 +67,10 @@ class Stage:
   out_avals: list = dataclasses.field(default_factory=list)
   cot_avals: list = dataclasses.field(default_factory=list)
   grad_avals: list = dataclasses.field(default_factory=list)
-  objectives: tuple[float, float] | None = None
+  objectives: tuple[float | None, float] | None = None
+  grad_homes: list = dataclasses.field(default_factory=list)
+  reduce: object = None
+  note: str = ""
   mesh_shape: tuple[int, ...] | None = None
   diff: list = dataclasses.field(default_factory=list)
   float_in: list = dataclasses.field(default_factory=list)

@@ -56,9 +56,9 @@ from jaxdist import errors
 from jaxdist import inspect as hlo_inspect
 from jaxdist import jaxpr_util
 from jaxdist import methods as m
-from jaxdist.executable import place, place_inputs
+from jaxdist.executable import compile_layout, place, place_inputs
 from jaxdist.mesh import LogicalMesh
-from jaxdist.pipeline import capture, layers as layers_mod, stage_shard
+from jaxdist.pipeline import capture, layers as layers_mod, per_device, stage_shard
 from jaxdist.pipeline.schedule import BACKWARD, FORWARD, Schedule, make_schedule
 from jaxdist.pipeline.partition import Stage, build_stages, stage_functions
 from jaxdist.plan import Plan, PlanEntry
@@ -199,12 +199,13 @@ class PipelineExecutable:
       the driver's own overhead; XLA:CPU runs most of them synchronously, so there it
       includes their compute).
     input_shardings, output_shardings: pytrees of ``NamedSharding``.
-    auto_sharding_objective: the stages' shard-plan objectives (forward + backward, per
-      micro-batch) combined as a pipelined step, ``Σ c + (micro-batches − 1) · max c``.
+    auto_sharding_objective: the stages' shard-plan objectives (backward, plus forward
+      where planned, per micro-batch) combined as a pipelined step,
+      ``Σ c + (micro-batches − 1) · max c``.
   """
 
   def __init__(self, method: m.PipeshardParallel, step: TracedStep, lmesh: LogicalMesh,
-               dyn_argnums: tuple[int, ...]):
+               dyn_argnums: tuple[int, ...], retrace=None):
     jaxpr = step.closed_jaxpr.jaxpr
     found = jaxpr_util.find_eqns(jaxpr, capture.pipeline_loss_p.name)
     if len(found) != 1 or jaxpr_util.count_primitive(jaxpr, capture.pipeline_loss_p.name) != 1:
@@ -218,6 +219,7 @@ class PipelineExecutable:
           "jaxdist.grad / value_and_grad; layer boundaries belong in the differentiated "
           "forward pass.")
     self._step, self._dyn_argnums = step, dyn_argnums
+    self._retrace, self._device_losses = retrace, {}
     self._index = found[0]
     eqn = jaxpr.eqns[self._index]
     k = self._k = method.num_micro_batches or 1
@@ -272,14 +274,13 @@ class PipelineExecutable:
         notes=(f"{len(starts)} layers starting at loss equations {list(starts)}",
                *(f"stage {s}: layers {st.layers[0]}..{st.layers[1] - 1}, {len(st.eqns)} "
                  f"equations, devices {[d.id for d in st.mesh.devices]} as a {st.mesh.shape} mesh, "
-                 f"shard plans' objectives {st.objectives[0]:.3g} s forward, "
-                 f"{st.objectives[1]:.3g} s backward"
+                 f"backward's shard-plan objective {st.objectives[1]:.3g} s, {st.note}"
                  for s, st in enumerate(self.stages)),
                f"schedule {self.schedule.name}: {self.schedule.num_clocks} clocks",
                *([] if predicted is None else [
                    f"auto stages: predicted {[f'{c:.3g}' for c in predicted.stage_costs]} s per "
                    f"micro-batch, {predicted.step_time:.3g} s per step"])))
-    costs = [sum(st.objectives) for st in self.stages]
+    costs = [sum(c for c in st.objectives if c is not None) for st in self.stages]
     self.auto_sharding_objective = sum(costs) + (k - 1) * max(costs)
     self.input_shardings = tree_util.tree_unflatten(step.in_tree, self._input_homes)
     self.output_shardings = tree_util.tree_unflatten(step.out_tree, self._output_homes)
@@ -396,7 +397,7 @@ class PipelineExecutable:
         s = next(iter(r))
         st = self.stages[s]
         p = st.operands.index(loss.num_consts + j - 1 - num_aux)
-        self._result_homes[j] = st.grad_avals[st.diff.index(p)].sharding
+        self._result_homes[j] = st.grad_homes[st.diff.index(p)]
       for s in r if len(r) == 1 else ():
         pins[s][eqn.outvars[j]] = self._result_homes[j].spec
     # A parameter a stage owns lives as the stage's programs read it.
@@ -478,34 +479,95 @@ class PipelineExecutable:
   def _compile_stages(self, option: m.AutoShardingOption):
     """Plans and compiles every stage's programs: the backward (which holds all of the
     stage's equations) searched over the sub-mesh's shapes, then the forward with its
-    operands pinned to the backward's choice."""
+    operands pinned to the backward's choice. A stage whose plan is data parallel runs
+    per device instead, with one gradient reduction per step (``per_device.py``)."""
     self._cot_shardings = {}  # a float activation: where its producer's backward takes its cotangent
     for stage in self.stages:
       bwd_step, fwd_step = self._program_steps(stage)
-      bwd = stage_shard.plan_program(bwd_step, stage.mesh, option, mesh_shape=stage.mesh_shape)
+      bwd = stage_shard.plan_program(bwd_step, stage.mesh, option, mesh_shape=stage.mesh_shape,
+                                     compile=False)
       n_ops, n_in, n_cots = len(stage.operands), len(stage.acts_in), len(stage.float_out)
-      fwd = stage_shard.plan_program(fwd_step, bwd.lmesh, option,
-                                     dict(enumerate(bwd.result.layout.in_specs[:n_ops + n_in])))
-
-      def with_sharding(step, shardings):
-        return [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sh)
-                for leaf, sh in zip(step.inputs, shardings)]
-
-      avals = with_sharding(bwd_step, bwd.in_shardings)
       stage.mesh = bwd.lmesh
+      avals = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sh)
+               for leaf, sh in zip(bwd_step.inputs, bwd.in_shardings)]
       stage.operand_avals = avals[:n_ops]
       stage.in_avals = avals[n_ops:n_ops + n_in]
       stage.cot_avals = avals[n_ops + n_in:n_ops + n_in + n_cots]
       stage.grad_avals = avals[n_ops + n_in + n_cots:]
-      stage.out_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
-                         for a, sh in zip(fwd_step.out_avals, fwd.out_shardings)]
-      stage.forward, stage.backward = fwd.compiled, bwd.compiled
-      stage.objectives = (fwd.result.objective, bwd.result.objective)
+      per_device = self._per_device(stage)
+      if isinstance(per_device, str):
+        stage.note = f"gradients reduced in every micro-batch: {per_device}"
+        fwd = stage_shard.plan_program(fwd_step, bwd.lmesh, option,
+                                       dict(enumerate(bwd.result.layout.in_specs[:n_ops + n_in])))
+        stage.out_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
+                           for a, sh in zip(fwd_step.out_avals, fwd.out_shardings)]
+        stage.forward = fwd.compiled
+        stage.backward = compile_layout(bwd.result.step, bwd.result.layout)
+        stage.objectives = (fwd.result.objective, bwd.result.objective)
+      else:
+        stage.note = "data parallel per device, gradients reduced once per step"
+        self._compile_per_device(stage, per_device, fwd_step)
+        stage.objectives = (None, bwd.result.objective)
+      stage.grad_homes = stage.grad_homes or [g.sharding for g in stage.grad_avals]
       stage.zeros = jax.jit(
           lambda grads=stage.grad_avals: [jnp.zeros(g.shape, g.dtype) for g in grads],
           out_shardings=[g.sharding for g in stage.grad_avals]).lower().compile()
       self._cot_shardings.update((stage.acts_out[p], a.sharding)
                                  for p, a in zip(stage.float_out, stage.cot_avals))
+
+  def _per_device(self, stage: Stage):
+    """The stage's per-device form (``per_device.PerDeviceStage``), or why it has none."""
+    n = stage.mesh.num_devices
+    if self._retrace is None or n == 1:
+      return "one device" if n == 1 else "no per-device trace"
+    if not all(stage.operand_avals[p].sharding.is_fully_replicated for p in stage.diff):
+      return "its plan shards parameters"
+    jaxpr = self._step.closed_jaxpr.jaxpr
+    sizes = {v.aval.shape[0] for v, b in zip(jaxpr.eqns[self._index].invars, self._batch_operand)
+             if b}
+    if any(size % (self._k * n) for size in sizes):
+      return f"a micro-batch does not split into {n} equal parts"
+    if n not in self._device_losses:
+      found = [e for e in self._retrace(self._k * n).jaxpr.eqns
+               if e.primitive is capture.pipeline_loss_p]
+      self._device_losses[n] = found[0].params["loss"] if len(found) == 1 else None
+    if self._device_losses[n] is None:
+      return "the per-device trace has no single loss equation"
+    return per_device.per_device_stage(self._loss, self._device_losses[n], stage,
+                                       self._batch_operand, n)
+
+  def _compile_per_device(self, stage: Stage, pd, fwd_step):
+    forward, backward, op_sh, in_sh, out_sh, row = per_device.programs(pd, stage.mesh.mesh)
+    n, n_ops, num_diff = stage.mesh.num_devices, len(stage.operands), len(stage.diff)
+    placed = lambda avals, shardings: [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
+                                       for a, sh in zip(avals, shardings)]
+    stage.operand_avals = placed(stage.operand_avals, op_sh)
+    stage.in_avals = placed(stage.in_avals, in_sh)
+    stage.out_avals = placed(fwd_step.out_avals, out_sh)
+    stage.cot_avals = [stage.out_avals[p] for p in stage.float_out]
+    stage.grad_homes = [NamedSharding(stage.mesh.mesh, PartitionSpec())] * num_diff
+    stage.grad_avals = [jax.ShapeDtypeStruct((n,) + g.shape, g.dtype, sharding=row)
+                        for g in stage.grad_avals]
+    n_in, n_cots = len(stage.in_avals), len(stage.cot_avals)
+
+    def flat_forward(*leaves):
+      return forward(list(leaves[:n_ops]), list(leaves[n_ops:]))
+
+    def flat_backward(*leaves):
+      ops, rest = list(leaves[:n_ops]), leaves[n_ops:]
+      sums, cots = backward(ops, list(rest[:n_in]), list(rest[n_in:n_in + n_cots]),
+                            list(rest[n_in + n_cots:]))
+      return (*sums, *cots)
+
+    stage.forward = jax.jit(flat_forward, out_shardings=out_sh).lower(
+        *stage.operand_avals, *stage.in_avals).compile()
+    accumulator = tuple(range(n_ops + n_in + n_cots, n_ops + n_in + n_cots + num_diff))
+    stage.backward = jax.jit(
+        flat_backward, donate_argnums=accumulator,
+        out_shardings=(*[row] * num_diff, *[in_sh[p] for p in stage.float_in])).lower(
+            *stage.operand_avals, *stage.in_avals, *stage.cot_avals, *stage.grad_avals).compile()
+    stage.reduce = jax.jit(lambda *rows: [r.sum(0) for r in rows],
+                           out_shardings=stage.grad_homes).lower(*stage.grad_avals).compile()
 
   # ---- running ------------------------------------------------------------------------
 
@@ -597,6 +659,8 @@ class PipelineExecutable:
             if kind == capture.GRAD}
     grads = {}
     for s, sums in accumulated.items():
+      if self.stages[s].reduce is not None:  # a per-device stage's one reduction
+        sums = self.stages[s].reduce(*sums)
       for p, g in zip(self.stages[s].diff, sums):
         pos = self.stages[s].operands[p]
         g = move(g, home[pos])
@@ -655,11 +719,12 @@ class PipelineExecutable:
   def _programs(self):
     return ([self._pre.compiled] if self._pre else []) + [
         p for st in self.stages for p in (st.forward, st.backward)] + [
-            a.compiled for a in self._applies]
+            st.reduce for st in self.stages if st.reduce is not None] + [
+                a.compiled for a in self._applies]
 
   def get_hlo_text(self) -> list[str]:
     """One HLO text per program: pre (if the loss's inputs need computing), each stage's
-    forward and backward, then the updates
+    forward and backward, the per-device stages' gradient reductions, then the updates
     (one per stage holding state, and one over all devices for what no stage owns)."""
     return [p.as_text() for p in self._programs()]
 
@@ -678,8 +743,8 @@ class PipelineExecutable:
     """Collectives inside the programs for one step (stage programs × micro-batches);
     transfers between sub-meshes (``device_put``) are not collectives and not counted."""
     total: dict[str, hlo_inspect.CollectiveStats] = {}
-    times = ([1] if self._pre else []) + [self._k] * (2 * len(self.stages)) + [1] * len(
-        self._applies)
+    times = ([1] if self._pre else []) + [self._k] * (2 * len(self.stages)) + [1] * (
+        sum(st.reduce is not None for st in self.stages) + len(self._applies))
     for text, n in zip(self.get_hlo_text(), times):
       for kind, stats in hlo_inspect.collective_summary(text).items():
         scaled = hlo_inspect.CollectiveStats(stats.count * n, stats.result_bytes * n,

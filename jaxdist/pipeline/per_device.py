@@ -1,0 +1,194 @@
+"""One gradient reduction per step for stages whose shard plan is data parallel.
+
+XLA partitions each stage program on its own, so a stage whose plan splits the batch
+and keeps its parameters replicated all-reduces its gradients in every micro-batch's
+backward. For such a stage the forward and backward run instead inside ``jax.shard_map``
+over the whole sub-mesh, each device evaluating the stage's equations on its own slice
+of the micro-batch. Shapes are baked into a jaxpr, so those equations come from the step
+traced again at the per-device micro-batch size; its loss equations are aligned with
+the micro-batch ones by their primitive sequence (jax special-cases size-1 dimensions,
+so a broadcast may come or go). Each device adds its partial gradients into its own row
+of an accumulator of shape ``(devices, *parameter)``; one program per step sums the
+rows (the all-reduce).
+
+Per device, every value crossing the stage is one of:
+
+- split: a dimension shrank by the device count (the batch): that dimension is split
+  over the sub-mesh;
+- replicated: same shape, not computed from the batch (a parameter passed on): its
+  cotangent is summed over the devices;
+- a loss output: same shape, computed from the batch (the loss, aux): its mean (float)
+  or sum (int) over the devices, and its cotangent divided by the device count.
+
+Anything else (a batch statistic passed between stages, a stage whose equations do not
+line up) keeps the stage on its shard plan, noted in the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxdist.pipeline import capture
+from jaxdist.pipeline.partition import Stage, stage_functions
+
+SPLIT, REPLICATED, LOSS_OUTPUT = "split", "replicated", "loss output"
+
+
+@dataclasses.dataclass(frozen=True)
+class PerDeviceStage:
+  """A stage's equations in the per-device trace, and how each crossing value is laid out.
+
+  Attributes:
+    loss: the per-device trace's loss.
+    stage: the stage in it (operands, activations in and out in the micro stage's order).
+    operands, acts_in, acts_out: per value, (kind, split dimension or None).
+  """
+
+  loss: capture.CapturedLoss
+  stage: Stage
+  operands: tuple
+  acts_in: tuple
+  acts_out: tuple
+
+
+def align(micro_jaxpr, device_jaxpr) -> dict[int, int]:
+  """Equation index in ``micro_jaxpr`` → its counterpart in ``device_jaxpr``."""
+  matcher = difflib.SequenceMatcher(None, [e.primitive.name for e in micro_jaxpr.eqns],
+                                    [e.primitive.name for e in device_jaxpr.eqns],
+                                    autojunk=False)
+  out = {}
+  for a, b, n in matcher.get_matching_blocks():
+    out.update(zip(range(a, a + n), range(b, b + n)))
+  return out
+
+
+def _batch_vars(jaxpr, batch_invars) -> set:
+  found = set(batch_invars)
+  for eqn in jaxpr.eqns:
+    if any(not isinstance(v, jex.Literal) and v in found for v in eqn.invars):
+      found.update(eqn.outvars)
+  return found
+
+
+def _kind(micro_var, device_var, n: int, from_batch: bool, is_output: bool):
+  """(kind, split dim) of one crossing value, or None if it cannot cross per device."""
+  shape, local = tuple(micro_var.aval.shape), tuple(device_var.aval.shape)
+  if len(shape) != len(local) or micro_var.aval.dtype != device_var.aval.dtype:
+    return None
+  changed = [d for d, (a, b) in enumerate(zip(shape, local)) if a != b]
+  if len(changed) == 1 and shape[changed[0]] == n * local[changed[0]]:
+    return (SPLIT, changed[0])
+  if changed:
+    return None
+  if not from_batch:
+    return (REPLICATED, None)
+  return (LOSS_OUTPUT, None) if is_output else None
+
+
+def per_device_stage(loss: capture.CapturedLoss, device_loss: capture.CapturedLoss,
+                     stage: Stage, batch_operand, n: int) -> PerDeviceStage | str:
+  """The stage in ``device_loss`` (traced at 1/n of the micro-batch), or why not."""
+  jm, jd = loss.closed.jaxpr, device_loss.closed.jaxpr
+  if len(jm.invars) != len(jd.invars):
+    return "the per-device trace has other loss inputs"
+  mapping = align(jm, jd)
+  if any(i not in mapping for i in stage.eqns):
+    return "its equations do not line up with the per-device trace"
+  ids = tuple(mapping[i] for i in stage.eqns)
+  lo, hi = min(ids), max(ids)
+  extra = set(range(lo, hi + 1)) - set(ids) - set(mapping.values())
+  ids = tuple(sorted(set(ids) | extra))  # equations only the per-device trace has
+
+  def counterpart(v):
+    """``v`` of the micro trace in the per-device trace."""
+    if v in jm.invars:
+      return jd.invars[jm.invars.index(v)]
+    for i, eqn in enumerate(jm.eqns):
+      if v in eqn.outvars and i in mapping:
+        outs = jd.eqns[mapping[i]].outvars
+        if len(outs) == len(eqn.outvars):
+          return outs[eqn.outvars.index(v)]
+    return None
+
+  acts_in = [counterpart(v) for v in stage.acts_in]
+  acts_out = [counterpart(v) for v in stage.acts_out]
+  if any(v is None for v in acts_in + acts_out):
+    return "an activation it exchanges has no counterpart in the per-device trace"
+  defined = {v for i in ids for v in jd.eqns[i].outvars}
+  reads = {v for i in ids for v in jd.eqns[i].invars
+           if not isinstance(v, jex.Literal) and v not in defined}
+  operand_vars = {jd.invars[k] for k in stage.operands}
+  if reads - operand_vars != set(acts_in) or not set(acts_out) <= defined:
+    return "its per-device equations read or write other values"
+  batch_m = _batch_vars(jm, [jm.invars[k] for k, b in enumerate(batch_operand) if b])
+  outputs = set(v for v in jm.outvars if not isinstance(v, jex.Literal))
+  kinds = {}
+  for name, micro, device in (("operands", [jm.invars[k] for k in stage.operands],
+                               [jd.invars[k] for k in stage.operands]),
+                              ("acts_in", stage.acts_in, acts_in),
+                              ("acts_out", stage.acts_out, acts_out)):
+    kinds[name] = tuple(_kind(u, v, n, u in batch_m, name == "acts_out" and u in outputs)
+                        for u, v in zip(micro, device))
+    if any(k is None for k in kinds[name]):
+      return "a value it exchanges is computed from the batch but keeps its shape"
+  if any(k[0] == LOSS_OUTPUT for k in kinds["acts_in"]):
+    return "it reads a loss output"
+  device_stage = dataclasses.replace(stage, eqns=ids, acts_in=tuple(acts_in),
+                                     acts_out=tuple(acts_out))
+  return PerDeviceStage(device_loss, device_stage, kinds["operands"], kinds["acts_in"],
+                        kinds["acts_out"])
+
+
+def _spec(kind, axes) -> PartitionSpec:
+  if kind[0] != SPLIT:
+    return PartitionSpec()
+  return PartitionSpec(*([None] * kind[1]), axes)
+
+
+def programs(pd: PerDeviceStage, mesh):
+  """The stage's forward and backward as functions of global values, per device inside.
+
+  The backward's accumulator has a leading dimension of one row per device.
+  """
+  axes = tuple(mesh.axis_names)
+  n = mesh.devices.size
+  forward, backward, diff, float_in, float_out = stage_functions(pd.loss, pd.stage)
+  op_specs = [_spec(k, axes) for k in pd.operands]
+  in_specs = [_spec(k, axes) for k in pd.acts_in]
+  out_specs = [_spec(k, axes) for k in pd.acts_out]
+  row = PartitionSpec(axes)
+
+  def local_forward(operands, acts_in):
+    outs = forward(operands, acts_in)
+    for p, kind in enumerate(pd.acts_out):
+      if kind[0] == LOSS_OUTPUT:
+        x = outs[p]
+        outs[p] = (jax.lax.pmean(x, axes) if jnp.issubdtype(x.dtype, jnp.inexact)
+                   else jax.lax.psum(x, axes))
+    return outs
+
+  def local_backward(operands, acts_in, cotangents, accumulated):
+    # The loss is the mean of the devices' losses: each device's share of its cotangent.
+    cotangents = [c / n if pd.acts_out[p][0] == LOSS_OUTPUT else c
+                  for p, c in zip(float_out, cotangents)]
+    sums, act_cots = backward(operands, acts_in, cotangents, [a[0] for a in accumulated])
+    act_cots = [jax.lax.psum(c, axes) if pd.acts_in[p][0] == REPLICATED else c
+                for p, c in zip(float_in, act_cots)]
+    return [s[None] for s in sums], act_cots
+
+  mapped_forward = jax.shard_map(
+      local_forward, mesh=mesh, in_specs=(op_specs, in_specs), out_specs=out_specs,
+      check_vma=False)
+  mapped_backward = jax.shard_map(
+      local_backward, mesh=mesh,
+      in_specs=(op_specs, in_specs, [out_specs[p] for p in float_out], [row] * len(diff)),
+      out_specs=([row] * len(diff), [in_specs[p] for p in float_in]), check_vma=False)
+  shardings = lambda specs: [NamedSharding(mesh, s) for s in specs]
+  return (mapped_forward, mapped_backward, shardings(op_specs), shardings(in_specs),
+          shardings(out_specs), NamedSharding(mesh, row))
