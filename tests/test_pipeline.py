@@ -6,6 +6,7 @@ micro-batch gradients are added up stage by stage).
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -78,6 +79,59 @@ def test_pipeline_matches_serial_twice_in_a_row(method, in_flight):
   assert_trees_close(to_host(gathered), to_host(p2), rtol=0, atol=0)
   with pytest.raises(errors.InvalidArgumentError, match=r"was deleted: its buffer was donated"):
     exe(p1, batch)
+
+
+def _two_stage_step(grad_fn, pass_on):
+  """SGD on a two-layer function cut in two stages; the first passes on ``pass_on(w, h)``."""
+
+  def step(params, batch):
+    def loss_fn(p):
+      h = jnp.tanh(batch["x"] @ p["w"])
+      passed = pass_on(p["w"], h)
+      jd.mark_pipeline_boundary()
+      out = jnp.tanh(h @ p["v"]) @ passed
+      return jnp.mean((out - batch["y"]) ** 2)
+
+    loss, g = grad_fn(loss_fn)(params)
+    return jax.tree.map(lambda w, d: w - 0.1 * d, params, g), loss
+
+  return step
+
+
+@pytest.mark.parametrize("pass_on,k,per_device", [
+    (lambda w, h: w.T * 2.0, 4, True),        # a parameter passed on: its cotangent summed
+    (lambda w, h: jnp.diag(h.mean(0)), 1, False),  # a batch statistic: stays on its plan
+], ids=["parameter-passed-on", "batch-statistic-passed-on"])
+def test_data_parallel_stages_reduce_gradients_once_per_step(pass_on, k, per_device):
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.normal(size=(8, 8)) / 3, jnp.float32),
+            "v": jnp.asarray(rng.normal(size=(8, 8)) / 3, jnp.float32)}
+  batch = {"x": jnp.asarray(rng.normal(size=(32, 8)), jnp.float32),
+           "y": jnp.asarray(rng.normal(size=(32, 8)), jnp.float32)}
+  expected = jax.jit(_two_stage_step(jax.value_and_grad, pass_on))(params, batch)
+  method = jd.PipeshardParallel(num_micro_batches=k, stage_option=jd.UniformStageOption(2))
+  step = jd.parallelize(_two_stage_step(jd.value_and_grad, pass_on), method=method,
+                        donate_argnums=())
+  exe = step.get_executable(params, batch)
+  assert_trees_close(step(params, batch), expected, rtol=1e-5, atol=1e-6)
+  assert [st.reduce is not None for st in exe.stages] == [per_device] * 2, exe.plan.notes
+  if not per_device:
+    assert "a value it exchanges is computed from the batch" in exe.stages[0].note
+
+
+def test_gpt_stages_reduce_gradients_once_per_step():
+  """The GPT's data-parallel stages: 4 micro-batches move the collective bytes of one."""
+  make, batch = _gpt()
+  wire = {}
+  for k in (1, 4):
+    exe = jd.parallelize(models.lm_step(jd.value_and_grad), method=jd.PipeshardParallel(
+        num_micro_batches=k, stage_option=jd.UniformStageOption(num_stages=2))).get_executable(
+            make(), batch)
+    assert all(st.reduce is not None for st in exe.stages), exe.plan.notes
+    wire[k] = sum(c.wire_bytes for c in exe.communication().values())
+  params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(make().params))
+  assert wire[4] <= 1.1 * wire[1], wire
+  assert wire[1] >= params, (wire, params)  # the gradients are reduced, once
 
 
 def test_pipeline_with_aux_and_a_batch_slice_outside_the_loss():

@@ -15,8 +15,9 @@ Per device, every value crossing the stage is one of:
 
 - split: a dimension shrank by the device count (the batch): that dimension is split
   over the sub-mesh;
-- replicated: same shape, not computed from the batch (a parameter passed on): its
-  cotangent is summed over the devices;
+- replicated: same shape, not computed from the batch (a parameter passed on): the
+  stage reading it sums its cotangent over the devices; the stage writing it, which
+  computes it alike on every device, takes 1/devices of the cotangent on each;
 - a loss output: same shape, computed from the batch (the loss, aux): its mean (float)
   or sum (int) over the devices, and its cotangent divided by the device count.
 
@@ -174,8 +175,10 @@ def programs(pd: PerDeviceStage, mesh):
     return outs
 
   def local_backward(operands, acts_in, cotangents, accumulated):
-    # The loss is the mean of the devices' losses: each device's share of its cotangent.
-    cotangents = [c / n if pd.acts_out[p][0] == LOSS_OUTPUT else c
+    # A loss output is the mean of the devices' values, and a replicated output is
+    # computed alike on every device whose gradient rows are summed: each device takes
+    # its share of the cotangent.
+    cotangents = [c if pd.acts_out[p][0] == SPLIT else c / n
                   for p, c in zip(float_out, cotangents)]
     sums, act_cots = backward(operands, acts_in, cotangents, [a[0] for a in accumulated])
     act_cots = [jax.lax.psum(c, axes) if pd.acts_in[p][0] == REPLICATED else c
