@@ -17,7 +17,10 @@ and stages (``partition.py``), and every stage gets two programs:
 Each stage is a ShardParallel program (``stage_shard.py``): the shard ILP plans its
 backward over the sub-mesh's shapes, its forward with the same operand layouts, and its
 optimizer update with parameters and gradients pinned to them, so a stage's state lives
-as its programs read it.
+as its programs read it. A stage whose plan is data parallel (parameters replicated)
+runs per device instead (``per_device.py``): each device adds its partial gradients to
+its own row of the accumulator and one program per step sums the rows, where XLA would
+all-reduce the gradients in every micro-batch's backward.
 
 The driver walks the schedule's instructions in clock order and issues each program
 through JAX's asynchronous dispatch, moving activations and cotangents between
@@ -33,9 +36,8 @@ different processes (see :func:`move` for what crosses them).
 State the caller donates (``donate_argnums``) is updated in place by the stage
 programs that own it, unless another program still reads it.
 
-Not yet: gradients reduced once per step (a stage plan that splits the batch reduces
-its gradients in every micro-batch's backward, as XLA partitions each program on its
-own).
+Not yet: one gradient reduction per step for stages whose plan shards parameters
+(model parallel within a stage): XLA reduces their gradients in every micro-batch.
 """
 
 from __future__ import annotations
