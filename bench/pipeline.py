@@ -64,8 +64,8 @@ def main():
     print(f"{name:<22} {t * 1e3:>15.1f} {t / base:>16.2f} {wire:>19.1f}")
   print("(collective bytes on the wire per device, from the compiled programs; a pipeline's "
         "moves between sub-meshes are transfers, not collectives, and are not counted)")
-  print(f"driver loop time per stage program on this model (XLA:CPU runs most programs "
-        f"synchronously, so this includes their compute): "
+  print(f"driver loop time per stage program on this model (it includes the compute of "
+        f"programs XLA:CPU runs synchronously): "
         f"{statistics.median(overhead) * 1e3:.1f} ms")
   tiny = models.GPTConfig(vocab=16, width=8, heads=2, depth=4, seq_len=8, mark_boundaries=True)
   tiny_batch = models.token_batch(8, tiny)
