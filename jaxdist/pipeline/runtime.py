@@ -197,9 +197,8 @@ class PipelineExecutable:
     schedule: the :class:`~jaxdist.pipeline.schedule.Schedule` the driver runs.
     stats: after a call, ``{"max_in_flight": per stage the most micro-batches whose
       inputs it held at once, "dispatched": stage programs issued, "dispatch_s": host
-      seconds the driver took to issue them}`` (where programs run asynchronously that is
-      the driver's own overhead; XLA:CPU runs most of them synchronously, so there it
-      includes their compute).
+      seconds the driver took to issue them}`` (the driver's own overhead, plus the
+      compute of programs the runtime runs synchronously).
     input_shardings, output_shardings: pytrees of ``NamedSharding``.
     auto_sharding_objective: the stages' shard-plan objectives (backward, plus forward
       where planned, per micro-batch) combined as a pipelined step,
@@ -236,8 +235,8 @@ class PipelineExecutable:
     deps = jaxpr_util.dependencies(jaxpr, len(step.inputs), eqn.invars)
     self._batch_operand = [bool(d & batch_mask) for d in deps]
     position = {v: i for i, v in enumerate(jaxpr.invars)}
-    self._operand_paths = [step.inputs[position[v]].path if v in position else f"loss operand {k}"
-                           for k, v in enumerate(eqn.invars)]
+    self._operand_paths = [step.inputs[position[v]].path if v in position else f"loss operand {j}"
+                           for j, v in enumerate(eqn.invars)]
     for v, u, is_batch in zip(eqn.invars, micro[0].invars, self._batch_operand):
       shape = tuple(v.aval.shape)
       expected = (shape[0] // k,) + shape[1:] if is_batch and shape else shape
