@@ -225,8 +225,8 @@ class UniformStageOption:
   Attributes:
     num_stages: how many stages; None: the largest number that divides the device count
       and is at most the number of layers.
-    submesh_shape: checked against devices / num_stages when given (a stage's sub-mesh is
-      1-D for now, so only its device count matters).
+    submesh_shape: the shape every stage's shard plan uses (its product must be
+      devices / num_stages); None: each stage's planner searches the 1-D and 2-D shapes.
   """
 
   num_stages: int | None = None
@@ -266,9 +266,9 @@ class PipeshardParallel(Method):
     max_pipeline_unbalance_ratio: for ``"auto"``, nnScaler's balance bound ``r`` in
       (0, 1]: every stage's predicted time within ``[r * G, G / r]`` of their mean ``G``;
       None: no bound.
-    default_auto_sharding_option: its ``memory_budget_per_device`` bounds the ``"auto"``
-      stage search; per-stage ShardParallel plans are to come (each stage is data
-      parallel over its sub-mesh for now).
+    default_auto_sharding_option: the :class:`AutoShardingOption` of every stage's shard
+      plan (its ``partition_constraints`` apply to the stages holding matching
+      parameters); its ``memory_budget_per_device`` also bounds the ``"auto"`` stage search.
   """
 
   devices: Any = None

@@ -1,1 +1,1 @@
-"""Pipeline parallelism: layer construction (and, to come, stages, schedules, driver)."""
+"""Pipeline parallelism: layers, stages, per-stage shard plans, schedules and the driver."""
