@@ -35,6 +35,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxdist import jaxpr_util
 from jaxdist.pipeline import capture
 from jaxdist.pipeline.partition import Stage, stage_functions
 
@@ -69,14 +70,6 @@ def align(micro_jaxpr, device_jaxpr) -> dict[int, int]:
   return out
 
 
-def _batch_vars(jaxpr, batch_invars) -> set:
-  found = set(batch_invars)
-  for eqn in jaxpr.eqns:
-    if any(not isinstance(v, jex.Literal) and v in found for v in eqn.invars):
-      found.update(eqn.outvars)
-  return found
-
-
 def _kind(micro_var, device_var, n: int, from_batch: bool, is_output: bool):
   """(kind, split dim) of one crossing value, or None if it cannot cross per device."""
   shape, local = tuple(micro_var.aval.shape), tuple(device_var.aval.shape)
@@ -106,16 +99,15 @@ def per_device_stage(loss: capture.CapturedLoss, device_loss: capture.CapturedLo
   extra = set(range(lo, hi + 1)) - set(ids) - set(mapping.values())
   ids = tuple(sorted(set(ids) | extra))  # equations only the per-device trace has
 
+  producer = {v: (i, pos) for i, eqn in enumerate(jm.eqns) for pos, v in enumerate(eqn.outvars)}
+
   def counterpart(v):
-    """``v`` of the micro trace in the per-device trace."""
-    if v in jm.invars:
-      return jd.invars[jm.invars.index(v)]
-    for i, eqn in enumerate(jm.eqns):
-      if v in eqn.outvars and i in mapping:
-        outs = jd.eqns[mapping[i]].outvars
-        if len(outs) == len(eqn.outvars):
-          return outs[eqn.outvars.index(v)]
-    return None
+    """``v`` of the micro trace in the per-device trace, or None."""
+    if v not in producer or producer[v][0] not in mapping:
+      return None
+    i, pos = producer[v]
+    outs = jd.eqns[mapping[i]].outvars
+    return outs[pos] if len(outs) == len(jm.eqns[i].outvars) else None
 
   acts_in = [counterpart(v) for v in stage.acts_in]
   acts_out = [counterpart(v) for v in stage.acts_out]
@@ -127,15 +119,16 @@ def per_device_stage(loss: capture.CapturedLoss, device_loss: capture.CapturedLo
   operand_vars = {jd.invars[k] for k in stage.operands}
   if reads - operand_vars != set(acts_in) or not set(acts_out) <= defined:
     return "its per-device equations read or write other values"
-  batch_m = _batch_vars(jm, [jm.invars[k] for k, b in enumerate(batch_operand) if b])
+  batch_mask = sum(1 << k for k, b in enumerate(batch_operand) if b)
   outputs = set(v for v in jm.outvars if not isinstance(v, jex.Literal))
   kinds = {}
   for name, micro, device in (("operands", [jm.invars[k] for k in stage.operands],
                                [jd.invars[k] for k in stage.operands]),
                               ("acts_in", stage.acts_in, acts_in),
                               ("acts_out", stage.acts_out, acts_out)):
-    kinds[name] = tuple(_kind(u, v, n, u in batch_m, name == "acts_out" and u in outputs)
-                        for u, v in zip(micro, device))
+    from_batch = jaxpr_util.dependencies(jm, len(jm.invars), micro)
+    kinds[name] = tuple(_kind(u, v, n, bool(d & batch_mask), name == "acts_out" and u in outputs)
+                        for u, v, d in zip(micro, device, from_batch))
     if any(k is None for k in kinds[name]):
       return "a value it exchanges is computed from the batch but keeps its shape"
   if any(k[0] == LOSS_OUTPUT for k in kinds["acts_in"]):
