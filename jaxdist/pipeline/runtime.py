@@ -257,7 +257,8 @@ class PipelineExecutable:
     state_factor = 1 + state_bytes[OPTIMIZER] / max(state_bytes[PARAM], 1)
     option = self._option = method.default_auto_sharding_option or m.AutoShardingOption()
     stage_shard.check_constraints_used(option, self._operand_paths)
-    self._cost_cache: dict = {}
+    self._cost_cache: dict = {}  # (devices, backward program text) -> ILP objective
+    self._traced: dict = {}  # a layer's equations -> (its backward program, its text)
     self.stages, starts, predicted = build_stages(
         method, loss, lmesh, state_factor, functools.partial(self._program_cost, option))
     self._predicted = predicted
@@ -439,8 +440,9 @@ class PipelineExecutable:
                         for x in xs]
     self._slicer = jax.jit(split, out_shardings=self._full).lower(avals).compile()
 
-  def _program_steps(self, stage: Stage):
-    """The stage's backward and forward programs, traced (``stage_shard.program_step``)."""
+  def _program_steps(self, stage: Stage, with_forward: bool = True):
+    """The stage's backward and forward (or None) programs, traced
+    (``stage_shard.program_step``)."""
     loss_jaxpr = self._loss.closed.jaxpr
     forward, backward, diff, float_in, float_out = stage_functions(self._loss, stage)
     stage.diff, stage.float_in, stage.float_out = diff, float_in, float_out
@@ -460,16 +462,20 @@ class PipelineExecutable:
     return (stage_shard.program_step(backward, [ops, acts_in, cots, grads], roles, names,
                                      tied={o: before + o for o in range(len(grads))},
                                      donated=frozenset(range(before, before + len(grads)))),
-            stage_shard.program_step(forward, [ops, acts_in], roles[:2], names[:2]))
+            stage_shard.program_step(forward, [ops, acts_in], roles[:2], names[:2])
+            if with_forward else None)
 
   def _program_cost(self, option: m.AutoShardingOption, stage: Stage) -> float:
     """Predicted seconds per micro-batch of an uncompiled stage: the shard ILP's
     objective for its backward (recompute, backward and gradient communication as
     planned on the sub-mesh) plus its forward's compute, ``flops / (n · peak)``. Layers
-    with the same backward program are solved once."""
-    backward, _ = self._program_steps(stage)
+    with the same backward program are solved once; each layer is traced once."""
+    if stage.eqns not in self._traced:
+      backward, _ = self._program_steps(stage, with_forward=False)
+      self._traced[stage.eqns] = backward, str(backward.closed_jaxpr)
+    backward, text = self._traced[stage.eqns]
     n = stage.mesh.num_devices
-    key = (n, str(backward.closed_jaxpr))
+    key = (n, text)
     if key not in self._cost_cache:
       self._cost_cache[key] = stage_shard.plan_program(
           backward, stage.mesh, option, compile=False).result.objective
