@@ -9,7 +9,14 @@ and inverse bandwidth ``β`` (s/byte), and ``b`` the bytes of the per-device *re
 - all-to-all:      α + β (n − 1)/n · b   (each device keeps 1/n of its data, sends the rest)
 
 A collective over several axes uses the largest α and β among them and the product of
-their sizes. Compute is ``flops / num_shards / peak_flops`` for dots and convolutions,
+their sizes.
+
+XLA combines collectives after partitioning: independent all-reduces (no data path from
+one to the other) over the same devices become one tuple all-reduce, and on GPU and TPU
+all-gathers and reduce-scatters too, up to a byte threshold per combined op. So the α of a
+combinable kind is not charged per collective here: :attr:`CostModel.combining` says
+which kinds combine on the backend, and the planner charges one α per combined group
+(``jaxdist.shard.combine``). The β part stays per collective (bytes add up either way). Compute is ``flops / num_shards / peak_flops`` for dots and convolutions,
 and every equation also pays ``output bytes per device / memory_bandwidth`` (elementwise
 work is memory-bound): a replicated computation pays its full size on every device,
 which is what makes splitting attractive beyond the dots.
@@ -28,6 +35,40 @@ DISALLOWED_S = 1e3
 
 
 @dataclasses.dataclass(frozen=True)
+class Combining:
+  """What XLA's collective combiners merge on one backend.
+
+  Attributes:
+    kinds: collective kinds whose independent instances over the same devices XLA merges
+      into one op (``all-reduce``, ``all-gather``, ``reduce-scatter``).
+    threshold_bytes: largest combined op in bytes (XLA starts a new one beyond it).
+    threshold_count: largest number of operands of one combined op.
+  """
+
+  kinds: frozenset = frozenset()
+  threshold_bytes: float = float("inf")
+  threshold_count: int = 256
+
+
+# XLA's defaults (jax 0.10.2 / its XLA): the CPU compiler runs only the all-reduce combiner,
+# with no byte limit and 256 operands per op; the GPU compiler combines all-reduce,
+# all-gather and reduce-scatter up to 30 MiB each (xla_gpu_*_combine_threshold_bytes);
+# TPU combines the same three kinds (its thresholds are not public; 30 MiB assumed).
+COMBINING = {
+    "cpu": Combining(frozenset({"all-reduce"})),
+    "gpu": Combining(frozenset({"all-reduce", "all-gather", "reduce-scatter"}), 30 * 2**20),
+    "tpu": Combining(frozenset({"all-reduce", "all-gather", "reduce-scatter"}), 30 * 2**20),
+}
+
+
+def combining_for(platform: str) -> Combining:
+  """The combiner behaviour of a jax platform name (``"cpu"``, ``"gpu"``, ``"cuda"``,
+  ``"rocm"``, ``"tpu"``); unknown platforms combine nothing (every α is charged)."""
+  platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
+  return COMBINING.get(platform, Combining())
+
+
+@dataclasses.dataclass(frozen=True)
 class CostModel:
   """Collective and compute costs on one logical mesh.
 
@@ -37,6 +78,8 @@ class CostModel:
     memory_bandwidth: per-device bytes per second for writing an equation's outputs.
     allow_all_gather, allow_all_to_all: when False, resharding that needs that
       collective costs ``DISALLOWED_S`` instead, so the planner avoids it if it can.
+    combining: which kinds XLA combines; their α is left out of :meth:`collective`
+      and charged once per combined group by the planner.
   """
 
   mesh: LogicalMesh
@@ -44,10 +87,16 @@ class CostModel:
   memory_bandwidth: float = 2e12
   allow_all_gather: bool = True
   allow_all_to_all: bool = True
+  combining: Combining = Combining()
 
   @property
   def axis_sizes(self) -> dict[str, int]:
     return dict(zip(self.mesh.axis_names, self.mesh.shape))
+
+  def latency(self, axes) -> float:
+    """α of one collective over ``axes`` (0 over a group of one device)."""
+    n, alpha, _ = self._group(axes)
+    return 0.0 if n == 1 else alpha
 
   def _group(self, axes) -> tuple[int, float, float]:
     axes = tuple(axes)
@@ -107,14 +156,19 @@ class CostModel:
     return out
 
   def collective(self, kind: str, axes, nbytes: float) -> float:
-    """Seconds for one collective; a disallowed one costs ``DISALLOWED_S``."""
+    """Seconds for one collective, without α where XLA combines ``kind`` (the planner
+    charges that α per combined group); a disallowed one costs ``DISALLOWED_S``."""
     if kind == "all-gather":
-      return self.all_gather(axes, nbytes) if self.allow_all_gather else DISALLOWED_S
-    if kind == "all-to-all":
-      return self.all_to_all(axes, nbytes) if self.allow_all_to_all else DISALLOWED_S
-    if kind == "reduce-scatter":
-      return self.reduce_scatter(axes, nbytes)
-    return self.all_reduce(axes, nbytes)
+      seconds = self.all_gather(axes, nbytes) if self.allow_all_gather else DISALLOWED_S
+    elif kind == "all-to-all":
+      seconds = self.all_to_all(axes, nbytes) if self.allow_all_to_all else DISALLOWED_S
+    elif kind == "reduce-scatter":
+      seconds = self.reduce_scatter(axes, nbytes)
+    else:
+      seconds = self.all_reduce(axes, nbytes)
+    if kind in self.combining.kinds and seconds < DISALLOWED_S:
+      seconds -= self.latency(axes)
+    return seconds
 
   def reshard(self, src: DimAxes, dst: DimAxes, full_bytes: float) -> float:
     """Seconds to move a tensor from ``src`` to ``dst`` (see :meth:`reshard_collectives`)."""

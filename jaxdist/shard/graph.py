@@ -16,6 +16,7 @@ import jax.extend.core as jex
 import numpy as np
 
 from jaxdist import errors
+from jaxdist.shard import combine
 from jaxdist.jaxpr_util import MARKERS
 from jaxdist.shard.cost import CostModel
 from jaxdist.shard.specs import DimAxes, num_shards, replicated
@@ -40,6 +41,23 @@ class Node:
   input_index: int | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Flow:
+  """A value flowing from node ``src`` (its output ``pos``) into node ``dst``.
+
+  ``required``: per choice of ``dst``'s group, the spec ``dst`` needs (None: any);
+  ``full_bytes``: the value's unsharded size; ``tied``: a donated output flowing back to
+  the input it updates (a constraint between steps, not a data dependency).
+  """
+
+  src: int
+  pos: int
+  dst: int
+  required: tuple
+  full_bytes: float
+  tied: bool = False
+
+
 @dataclasses.dataclass
 class StrategyGraph:
   """Nodes, groups and costs, ready for the solver.
@@ -51,8 +69,10 @@ class StrategyGraph:
     edge_costs: (producer group, consumer group) → cost matrix.
     producer: jaxpr variable → (node index, output position).
     unknown_primitives: primitives that got no rule (replicated).
-    flows: every data flow as (source node, its output position, consumer node, the
-      spec the consumer requires per consumer choice, unsharded bytes).
+    flows: every data flow (:class:`Flow`).
+    combine: the collectives XLA may combine, for one α per combined group
+      (:class:`jaxdist.shard.combine.Terms`).
+    phase: per node, its combining phase (``combine.phases``).
   """
 
   nodes: list[Node]
@@ -62,17 +82,22 @@ class StrategyGraph:
   producer: dict
   unknown_primitives: tuple[str, ...]
   flows: list = dataclasses.field(default_factory=list)
+  combine: object = None
+  phase: tuple = ()
 
-  def collectives(self, choice, cost_model: CostModel) -> list[tuple[str, tuple, float]]:
-    """Every collective the plan ``choice`` predicts: (kind, axes, per-device bytes)."""
+  def collectives(self, choice, cost_model: CostModel) -> list[tuple[int, tuple[str, tuple, float]]]:
+    """Every collective the plan ``choice`` has before XLA combines any, as (node, (kind,
+    axes, per-device bytes)): a node's own, then the resharding into it (``node`` is the
+    consumer) or, for a tied output, into the input it updates."""
     out = []
-    for node in self.nodes:
-      out += node.strategies[choice[node.group]].collectives
-    for src, pos, dst, required, full_bytes in self.flows:
-      want = required[choice[self.nodes[dst].group]]
-      have = self.nodes[src].strategies[choice[self.nodes[src].group]].out_specs[pos]
+    for k, node in enumerate(self.nodes):
+      out += [(k, c) for c in node.strategies[choice[node.group]].collectives]
+    for flow in self.flows:
+      want = flow.required[choice[self.nodes[flow.dst].group]]
+      have = self.nodes[flow.src].strategies[choice[self.nodes[flow.src].group]].out_specs[flow.pos]
       if want is not None:
-        out += cost_model.reshard_collectives(have, want, full_bytes)
+        where = flow.src if flow.tied else flow.dst
+        out += [(where, c) for c in cost_model.reshard_collectives(have, want, flow.full_bytes)]
     return out
 
   def spec_of(self, var, choice: list[int]) -> DimAxes:
@@ -148,56 +173,71 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
                   f"planned replicated (the plan stays correct; XLA places them).",
                   errors.JaxdistWarning, stacklevel=3)
 
-  group_costs = [np.zeros(n) for n in group_sizes]
-  edge_costs: dict[tuple[int, int], np.ndarray] = {}
   flows = []
   node_ids = {id(node): k for k, node in enumerate(nodes)}
   for node in nodes:
+    if node.eqn is None:
+      continue
+    for pos, v in enumerate(node.eqn.invars):
+      if isinstance(v, jex.Literal) or v not in producer:
+        continue
+      required = [s.in_specs[pos] if pos < len(s.in_specs) else None for s in node.strategies]
+      flows.append(Flow(producer[v][0], producer[v][1], node_ids[id(node)], tuple(required),
+                        nbytes(v)))
+  phase = combine.phases(nodes, flows)
+  for out_pos, in_pos in (tied_outputs or {}).items():
+    v_out = jaxpr.outvars[out_pos]
+    if isinstance(v_out, jex.Literal) or v_out not in producer:
+      continue
+    dst_id = producer[jaxpr.invars[in_pos]][0]
+    required = tuple(s.out_specs[0] for s in nodes[dst_id].strategies)
+    flows.append(Flow(producer[v_out][0], producer[v_out][1], dst_id, required, nbytes(v_out),
+                      tied=True))
+
+  group_costs = [np.zeros(n) for n in group_sizes]
+  edge_costs: dict[tuple[int, int], np.ndarray] = {}
+  members = combine.Members(cost_model)
+  for k, node in enumerate(nodes):
     for t, s in enumerate(node.strategies):
       group_costs[node.group][t] += s.cost
+      for c in s.collectives:
+        members.add(c, phase[k], ("x", node.group, t))
     if node.eqn is None:
       continue
     out_bytes = [nbytes(v) for v in node.eqn.outvars]
     for t, s in enumerate(node.strategies):
       group_costs[node.group][t] += sum(cost_model.write(b / num_shards(spec, sizes))
                                         for b, spec in zip(out_bytes, s.out_specs))
-    for pos, v in enumerate(node.eqn.invars):
-      if isinstance(v, jex.Literal) or v not in producer:
-        continue
-      required = [s.in_specs[pos] if pos < len(s.in_specs) else None for s in node.strategies]
-      flows.append((producer[v][0], producer[v][1], node_ids[id(node)],
-                    required, nbytes(v)))
-      _add_edge(group_costs, edge_costs, cost_model, nodes[producer[v][0]], producer[v][1],
-                required, node.group, nbytes(v))
-
-  for out_pos, in_pos in (tied_outputs or {}).items():
-    v_out = jaxpr.outvars[out_pos]
-    if isinstance(v_out, jex.Literal) or v_out not in producer:
-      continue
-    dst_id = producer[jaxpr.invars[in_pos]][0]
-    required = [s.out_specs[0] for s in nodes[dst_id].strategies]
-    flows.append((producer[v_out][0], producer[v_out][1], dst_id, required, nbytes(v_out)))
-    _add_edge(group_costs, edge_costs, cost_model, nodes[producer[v_out][0]], producer[v_out][1],
-              required, nodes[dst_id].group, nbytes(v_out))
+  for flow in flows:
+    _add_edge(group_costs, edge_costs, cost_model, members, nodes, flow,
+              combine.TAIL if flow.tied else combine.before(phase, nodes, flow.dst))
   return StrategyGraph(nodes, group_sizes, group_costs, edge_costs, producer, tuple(unknown),
-                       flows)
+                       flows, members.terms(), phase)
 
 
 def _has_producer(v, producer) -> bool:
   return not isinstance(v, jex.Literal) and v in producer
 
 
-def _add_edge(group_costs, edge_costs, cost_model, src: Node, src_pos: int,
-              required: list[DimAxes | None], dst_group: int, full_bytes: float):
+def _add_edge(group_costs, edge_costs, cost_model, members, nodes, flow: Flow, phase: int):
+  """Adds a flow's resharding: to its group's costs when both ends share a group, else
+  to the edge matrix of the two groups; records the collectives for combining."""
+  src, required = nodes[flow.src], flow.required
   if all(r is None for r in required):
     return
-  src_specs = [s.out_specs[src_pos] for s in src.strategies]
-  if src.group == dst_group:
-    for t, (a, b) in enumerate(zip(src_specs, required)):
-      if b is not None:
-        group_costs[dst_group][t] += cost_model.reshard(a, b, full_bytes)
+  dst_group = nodes[flow.dst].group
+  src_specs = [s.out_specs[flow.pos] for s in src.strategies]
+  same = src.group == dst_group
+  matrix = np.zeros((len(src_specs), len(required)))
+  for a, have in enumerate(src_specs):
+    for b, want in enumerate(required):
+      if want is None or (same and a != b):
+        continue
+      for c in cost_model.reshard_collectives(have, want, flow.full_bytes):
+        matrix[a, b] += cost_model.collective(*c)
+        members.add(c, phase, ("x", dst_group, b) if same else ("e", src.group, dst_group, a, b))
+  if same:
+    group_costs[dst_group] += np.diag(matrix)
     return
-  matrix = np.array([[0.0 if b is None else cost_model.reshard(a, b, full_bytes)
-                      for b in required] for a in src_specs])
   key = (src.group, dst_group)
   edge_costs[key] = edge_costs[key] + matrix if key in edge_costs else matrix

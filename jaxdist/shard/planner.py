@@ -22,7 +22,8 @@ from jaxdist import jaxpr_util
 from jaxdist import methods as m
 from jaxdist.layouts import Layout, check_batch_divisible, uses_marker
 from jaxdist.mesh import LogicalMesh
-from jaxdist.shard.cost import CostModel
+from jaxdist.shard import combine
+from jaxdist.shard.cost import CostModel, combining_for
 from jaxdist.shard.graph import StrategyGraph, build_graph
 from jaxdist.shard.repeats import tie_groups
 from jaxdist.shard.solver import MemoryConstraint, Solution, solve_ilp
@@ -149,11 +150,7 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep,
   if not plans:
     raise infeasible[0]
   best = min(plans, key=lambda p: p.solution.objective)
-  predicted: dict[str, dict[str, float]] = {}
-  for kind, _, nbytes_ in best.graph.collectives(best.solution.choice, best.cost_model):
-    entry = predicted.setdefault(kind, {"count": 0, "result_bytes": 0.0})
-    entry["count"] += 1
-    entry["result_bytes"] += nbytes_
+  predicted = combine.predict(best.graph, best.solution.choice, best.cost_model)
   return ShardPlanResult(step, layout_of(step, best, k), best.solution.objective, objectives,
                          predicted)
 
@@ -256,7 +253,8 @@ def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
               pinned: dict[int, DimAxes] | None = None, num_micro_batches: int = 1) -> MeshPlan:
   jaxpr = step.closed_jaxpr.jaxpr
   cost_model = CostModel(lmesh, allow_all_gather=opt.allow_all_gather,
-                         allow_all_to_all=opt.allow_all_to_all)
+                         allow_all_to_all=opt.allow_all_to_all,
+                         combining=combining_for(lmesh.devices[0].platform))
   tied = {o: i for o, i in enumerate(step.output_source) if i is not None}
   graph = build_graph(jaxpr, cost_model,
                       _input_choices(step, lmesh, opt, pinned, num_micro_batches), tied)

@@ -8,8 +8,11 @@ outer product, so ``e`` needs no integrality). Objective:
     Σ_g c_g · s_g + Σ_(g,h) Σ R_gh ∘ e_gh
 
 with ``c_g`` the groups' compute + communication + in-group resharding and ``R_gh``
-the resharding between groups. A memory budget adds ``Σ_g m_g(t) · s_g ≤ budget`` for
-each checked liveness point ``t``.
+the resharding between groups, plus the α of collectives XLA combines, once per combined
+group: ``Σ_k α_k · a_k`` with ``a_k ≥`` each member's ``s`` or ``e`` entry, ``a_k ≥``
+its members' bytes over the combine threshold and their number over the operand limit
+(``jaxdist.shard.combine``). A memory budget adds ``Σ_g m_g(t) · s_g ≤ budget`` for each
+checked liveness point ``t``.
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ def objective_of(graph: StrategyGraph, choice) -> float:
   total = sum(float(c[choice[g]]) for g, c in enumerate(graph.group_costs))
   for (g, h), m in graph.edge_costs.items():
     total += float(m[choice[g], choice[h]])
+  if graph.combine is not None:
+    total += graph.combine.charge(choice)
   return total
 
 
@@ -106,7 +111,8 @@ def tie(graph: StrategyGraph, memory: MemoryConstraint | None,
       costs[a] += np.diag(m)
     else:
       edges[a, b] = edges[a, b] + m if (a, b) in edges else m
-  reduced = StrategyGraph([], sizes, costs, edges, {}, ())
+  combine = graph.combine.reduced(of) if graph.combine is not None else None
+  reduced = StrategyGraph([], sizes, costs, edges, {}, (), combine=combine)
   if memory is not None:
     per_group = []
     for groups in memory.per_group:
@@ -159,12 +165,16 @@ def solve_ilp(graph: StrategyGraph, memory: MemoryConstraint | None = None,
   onehot = sp.csr_matrix((np.ones(n_x), (np.repeat(np.arange(len(free)),
                                                    [graph.group_sizes[g] for g in free]),
                                          np.arange(n_x))), shape=(len(free), n_x))
+  terms = graph.combine.terms if graph.combine is not None else ()
+  needed = {where[1:3] for term in terms for where, _ in term.members if where[0] == "e"}
   d_parts, e_rows, e_cols, x_rows, x_cols = [], [], [], [], []
+  e_offset = {}
   n_e = n_rows = 0
   for (g, h), m in graph.edge_costs.items():
-    if not np.any(m):
+    if not np.any(m) and (g, h) not in needed:
       continue
     if g in offset and h in offset:
+      e_offset[g, h] = n_e
       ng, nh = m.shape
       idx = n_e + np.arange(ng * nh).reshape(ng, nh)
       # Row sums of e equal x_g, column sums equal x_h.
@@ -195,6 +205,9 @@ def solve_ilp(graph: StrategyGraph, memory: MemoryConstraint | None = None,
     edge_x = sp.csr_matrix((np.ones(len(x_rows)), (x_rows, x_cols)), shape=(n_rows, n_x))
     constraints.append(edge_e @ e == edge_x @ x)
     objective = objective + np.concatenate(d_parts) @ e
+  if terms:
+    objective = objective + _combined_alpha(graph, terms, x, e if n_e else None, offset,
+                                            e_offset, constraints)
   if budget is not None and memory is not None:
     rows, limits = [], []
     for groups, const in zip(memory.per_group, memory.constant):
@@ -227,6 +240,55 @@ def solve_ilp(graph: StrategyGraph, memory: MemoryConstraint | None = None,
   choice = tuple(int(np.argmax(x.value[offset[g]:offset[g] + graph.group_sizes[g]]))
                  if g in offset else 0 for g in range(len(graph.group_sizes)))
   return Solution(choice, objective_of(graph, choice), status)
+
+
+def _combined_alpha(graph, terms, x, e, offset, e_offset, constraints):
+  """``Σ_k α_k a_k`` over the combined groups; appends the constraints defining ``a_k``."""
+  import cvxpy as cp
+  import scipy.sparse as sp
+
+  on_x, on_e = [], []  # (term, variable index, bytes) per member
+  fixed = np.zeros(len(terms))  # 1 where a member is active whatever the choice
+  for k, term in enumerate(terms):
+    for where, nbytes in term.members:
+      if where[0] == "x":
+        _, g, t = where
+        if g in offset:
+          on_x.append((k, offset[g] + t, nbytes))
+        elif t == 0:
+          fixed[k] = 1
+        continue
+      _, g, h, a, b = where
+      if g in offset and h in offset:
+        on_e.append((k, e_offset[g, h] + a * graph.group_sizes[h] + b, nbytes))
+      elif g in offset and b == 0:
+        on_x.append((k, offset[g] + a, nbytes))
+      elif h in offset and a == 0:
+        on_x.append((k, offset[h] + b, nbytes))
+      elif a == 0 and b == 0:
+        fixed[k] = 1
+  a = cp.Variable(len(terms), nonneg=True)
+  constraints.append(a >= fixed)
+  parts, term_of, weights = [], [], []
+  for members, var in ((on_x, x), (on_e, e)):
+    if members:
+      index = np.array([i for _, i, _ in members])
+      parts.append(sp.csr_matrix((np.ones(len(members)), (np.arange(len(members)), index)),
+                                 shape=(len(members), var.shape[0])) @ var)
+      term_of += [k for k, _, _ in members]
+      weights += [b for _, _, b in members]
+  if parts:
+    member = parts[0] if len(parts) == 1 else cp.hstack(parts)
+    n = len(term_of)
+    constraints.append(sp.csr_matrix((np.ones(n), (np.arange(n), term_of)),
+                                     shape=(n, len(terms))) @ a >= member)
+    limits = [np.ones(n) / graph.combine.threshold_count]
+    if np.isfinite(graph.combine.threshold_bytes):
+      limits.append(np.array(weights) / graph.combine.threshold_bytes)
+    for scale in limits:
+      constraints.append(a >= sp.csr_matrix((scale, (term_of, np.arange(n))),
+                                            shape=(len(terms), n)) @ member)
+  return np.array([term.alpha for term in terms]) @ a
 
 
 def _infeasible(memory: MemoryConstraint | None, budget: float | None):

@@ -1,0 +1,180 @@
+"""What XLA's collective combiners do after partitioning, for the cost model and predictions.
+
+XLA merges independent collectives of one kind over the same devices (no data path from
+one to the other) into one op: on CPU all-reduces only, on GPU and TPU also all-gathers
+and reduce-scatters, up to a byte and an operand threshold (``cost.Combining``). Data
+parallelism's per-leaf gradient all-reduces become one op; Megatron's activation
+all-reduces, each feeding the next layer, stay one per layer.
+
+In the ILP (linear): every collective gets a *phase*, the largest number of equations
+that can emit a collective on any path from it to the step's outputs (its height). All
+gradient reductions sit at phase 0 (only the optimizer update follows them); each layer's
+activation reduction sits higher than the next one's. Collectives of one kind, over the
+same mesh axes, in the same phase are one combined group, charged
+
+    α · max(active, bytes / threshold_bytes, operands / threshold_count)
+
+with ``active`` ≥ each member's indicator (a one-hot choice or an edge variable). Two
+collectives in one phase never depend on each other through an emitting equation.
+
+For predictions: the collectives of a solved plan are combined as XLA does it, along the
+data flow: a kind × axes has as many combined ops as its longest chain of collectives
+that depend on each other (each op of a chain must wait for the one before), and at least
+as many as the thresholds require.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+
+import numpy as np
+
+from jaxdist.shard.cost import CostModel
+
+# The phase of a donated output's resharding back into its input's layout: after everything.
+TAIL = -1
+
+
+def emits(node) -> bool:
+  """Whether some strategy of ``node`` has a collective of its own."""
+  return any(s.collectives for s in node.strategies)
+
+
+def phases(nodes, flows) -> tuple[int, ...]:
+  """Per node, the most emitting nodes on a path from it to an output (itself excluded).
+
+  Nodes are in program order, so every data flow goes from a lower to a higher index.
+  """
+  height = [0] * len(nodes)
+  consumers = defaultdict(list)
+  for flow in flows:
+    consumers[flow.src].append(flow.dst)
+  emitting = [emits(node) for node in nodes]
+  for k in range(len(nodes) - 1, -1, -1):
+    height[k] = max((height[d] + emitting[d] for d in consumers[k]), default=0)
+  return tuple(height)
+
+
+def before(phase, nodes, k: int) -> int:
+  """The phase of resharding into node ``k``: just before ``k``'s own collectives."""
+  return phase[k] + emits(nodes[k])
+
+
+@dataclasses.dataclass(frozen=True)
+class Term:
+  """One combined group: collectives of one kind over the same axes in one phase.
+
+  Attributes:
+    kind, axes, phase: what the collectives share.
+    alpha: seconds of one combined op.
+    members: where a member is active, as ("x", group, choice) or ("e", group, group,
+      choice, choice), with its per-device bytes.
+  """
+
+  kind: str
+  axes: tuple
+  phase: int
+  alpha: float
+  members: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Terms:
+  """Every combined group of a strategy graph, with the backend's thresholds."""
+
+  terms: tuple[Term, ...]
+  threshold_bytes: float
+  threshold_count: int
+
+  def charge(self, choice) -> float:
+    """α seconds of a full choice (per group), as the ILP states it."""
+    total = 0.0
+    for term in self.terms:
+      active = [b for where, b in term.members if _active(where, choice)]
+      if active:
+        total += term.alpha * max(1.0, sum(active) / self.threshold_bytes,
+                                  len(active) / self.threshold_count)
+    return total
+
+  def reduced(self, of) -> "Terms":
+    """The terms over tied groups (``of[g]``: g's reduced index); an edge between two
+    groups of one class is a member only on its diagonal."""
+    out = []
+    for term in self.terms:
+      members = []
+      for where, b in term.members:
+        if where[0] == "x":
+          members.append((("x", of[where[1]], where[2]), b))
+        elif of[where[1]] != of[where[2]]:
+          members.append((("e", of[where[1]], of[where[2]], where[3], where[4]), b))
+        elif where[3] == where[4]:
+          members.append((("x", of[where[1]], where[3]), b))
+      out.append(dataclasses.replace(term, members=tuple(members)))
+    return Terms(tuple(out), self.threshold_bytes, self.threshold_count)
+
+
+def _active(where, choice) -> bool:
+  if where[0] == "x":
+    return choice[where[1]] == where[2]
+  return choice[where[1]] == where[3] and choice[where[2]] == where[4]
+
+
+class Members:
+  """Collects the combinable collectives of a graph while its costs are built."""
+
+  def __init__(self, cost_model: CostModel):
+    self._cost_model = cost_model
+    self._members = defaultdict(list)
+
+  def add(self, collective, phase: int, where) -> None:
+    kind, axes, nbytes = collective
+    if kind in self._cost_model.combining.kinds and self._cost_model.latency(axes) > 0:
+      self._members[kind, tuple(axes), phase].append((where, nbytes))
+
+  def terms(self) -> Terms:
+    combining = self._cost_model.combining
+    return Terms(tuple(Term(kind, axes, phase, self._cost_model.latency(axes), tuple(members))
+                       for (kind, axes, phase), members in self._members.items()),
+                 combining.threshold_bytes, combining.threshold_count)
+
+
+def predict(graph, choice, cost_model: CostModel) -> dict[str, dict[str, float]]:
+  """kind → {"count", "result_bytes"} per step of a solved plan, combined as XLA does.
+
+  ``count`` is, per kind and mesh axes, the longest chain of collectives that depend on
+  each other along the data flow (where XLA combines that kind), else one per
+  collective; never fewer than the byte and operand thresholds need.
+  """
+  combining = cost_model.combining
+  sizes = cost_model.axis_sizes
+  at_node = defaultdict(list)
+  for k, (kind, axes, nbytes) in graph.collectives(choice, cost_model):
+    if math.prod(sizes[a] for a in axes) > 1:
+      at_node[k].append((kind, tuple(axes), nbytes))
+  out: dict[str, dict[str, float]] = {}
+  keys = {(kind, axes) for cs in at_node.values() for kind, axes, _ in cs}
+  preds = defaultdict(list)
+  for flow in graph.flows:
+    if not flow.tied:
+      preds[flow.dst].append(flow.src)
+  for kind, axes in sorted(keys):
+    entries = [(k, b) for k, cs in at_node.items() for c_kind, c_axes, b in cs
+               if (c_kind, c_axes) == (kind, axes)]
+    total = sum(b for _, b in entries)
+    if kind in combining.kinds:
+      weight = defaultdict(int)
+      for k, _ in entries:
+        weight[k] += 1
+      chain = np.zeros(len(graph.nodes), dtype=np.int64)
+      for k in range(len(graph.nodes)):
+        chain[k] = max((chain[p] for p in preds[k]), default=0) + weight[k]
+      count = max(int(chain.max()), math.ceil(total / combining.threshold_bytes),
+                  math.ceil(len(entries) / combining.threshold_count))
+    else:
+      count = len(entries)
+    entry = out.setdefault(kind, {"count": 0, "result_bytes": 0.0})
+    entry["count"] += count
+    entry["result_bytes"] += total
+  return out
