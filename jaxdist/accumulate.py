@@ -99,7 +99,8 @@ def split_at_marker(step: TracedStep) -> GradSplit:
 
 
 def local_constraints(step: TracedStep, split: GradSplit, eqn_constraints: dict,
-                      batch_axes: tuple[str, ...], axis_sizes: dict[str, int]) -> dict:
+                      batch_axes: tuple[str, ...], axis_sizes: dict[str, int],
+                      operands: bool = False) -> dict:
   """The plan's constraints on the gradient part, for one device's micro-batch shard.
 
   ``eqn_constraints`` index the step's jaxpr; the gradient part runs the micro-batch
@@ -108,6 +109,7 @@ def local_constraints(step: TracedStep, split: GradSplit, eqn_constraints: dict,
   less). The two are aligned by their primitive sequence; an equation without a
   counterpart is left to XLA. Batch axes are dropped (they are manual inside the
   ``shard_map``), and so is an axis that does not divide the micro-batch dimension.
+  With ``operands`` the specs are per operand (None: unconstrained) instead of per output.
   """
   full, micro = step.closed_jaxpr.jaxpr.eqns, split.grad_jaxpr.jaxpr.eqns
   matcher = difflib.SequenceMatcher(None, [e.primitive.name for e in full],
@@ -118,11 +120,15 @@ def local_constraints(step: TracedStep, split: GradSplit, eqn_constraints: dict,
   out = {}
   for i in split.grad_eqns:
     j = to_full.get(i)
-    if j not in eqn_constraints or len(full[j].outvars) != len(micro[i].outvars):
+    side = (lambda e: e.invars) if operands else (lambda e: e.outvars)
+    if j not in eqn_constraints or len(side(full[j])) != len(side(micro[i])):
       continue
     specs = []
-    for pspec, v in zip(eqn_constraints[j], micro[i].outvars):
+    for pspec, v in zip(eqn_constraints[j], side(micro[i])):
       shape = tuple(getattr(v.aval, "shape", ()))
+      if pspec is None:
+        specs.append(None)
+        continue
       if len(pspec) > len(shape):
         break
       local = [tuple(a for a in axes if a not in batch_axes)
@@ -137,7 +143,8 @@ def local_constraints(step: TracedStep, split: GradSplit, eqn_constraints: dict,
 
 def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro_batches: int,
                   reduce_specs: tuple[PartitionSpec | None, ...],
-                  eqn_constraints: dict | None = None):
+                  eqn_constraints: dict | None = None,
+                  operand_constraints: dict | None = None):
   """The step as a function of flat input leaves, gradients accumulated and reduced once.
 
   Args:
@@ -150,6 +157,8 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
       sharded spec of a reduce-scatter (exactly one dimension split over
       ``batch_axes``).
     eqn_constraints: the shard plan's constraints (equation index → specs), or None.
+    operand_constraints: the plan's reshardings (equation index → per operand spec or
+      None), or None.
   """
   split = split_at_marker(step)
   closed = step.closed_jaxpr
@@ -161,17 +170,23 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
   # The axis name(s) of the shard_map's collectives; None: no shard_map (batch not split).
   axes = (batch_axes[0] if len(batch_axes) == 1 else batch_axes) if batch_axes else None
   is_batch = [step.inputs[i].role == BATCH for i in split.grad_inputs]
-  grad_after = apply_after = None
+  grad_after = apply_after = grad_before = apply_before = None
+  inner_mesh = None if batch_axes else mesh
   if eqn_constraints:
     apply_after = jaxpr_util.constraint_hook(mesh, eqn_constraints)
     inside = local_constraints(step, split, eqn_constraints, batch_axes, dict(mesh.shape))
     # Inside the shard_map the specs are bare: they refer to the region's abstract mesh.
-    grad_after = jaxpr_util.constraint_hook(None if batch_axes else mesh, inside)
+    grad_after = jaxpr_util.constraint_hook(inner_mesh, inside)
+  if operand_constraints:
+    apply_before = jaxpr_util.operand_hook(mesh, operand_constraints)
+    inside = local_constraints(step, split, operand_constraints, batch_axes, dict(mesh.shape),
+                               operands=True)
+    grad_before = jaxpr_util.operand_hook(inner_mesh, inside)
 
   def grads_one(values):
     env = dict(zip(grad_jaxpr.constvars, split.grad_jaxpr.consts))
     env.update((grad_jaxpr.invars[i], x) for i, x in zip(split.grad_inputs, values))
-    jaxpr_util.eval_eqns(grad_jaxpr, env, split.grad_eqns, after=grad_after)
+    jaxpr_util.eval_eqns(grad_jaxpr, env, split.grad_eqns, after=grad_after, before=grad_before)
     return [jaxpr_util.read(env, v) for v in grad_marker_eqn.invars]
 
   def local(*values):
@@ -213,7 +228,8 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
     env = dict(zip(jaxpr.constvars, closed.consts))
     env.update(zip(jaxpr.invars, leaves))
     jaxpr_util.eval_eqns(jaxpr, env, split.apply_eqns | {split.marker},
-                         substitute={split.marker: marked}, after=apply_after)
+                         substitute={split.marker: marked}, after=apply_after,
+                         before=apply_before)
     return [jaxpr_util.read(env, v) for v in jaxpr.outvars]
 
   return run

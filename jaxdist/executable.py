@@ -113,13 +113,14 @@ class Executable:
     return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
                + m.temp_size_in_bytes)
 
-  def check_communication(self, tolerance: float = 0.25) -> list[str]:
+  def check_communication(self, tolerance: float = 0.10) -> list[str]:
     """Compares the plan's predicted collectives with what XLA compiled.
 
-    Returns one line per collective kind: predicted and compiled result bytes per step,
-    marked ``DIFFERS`` where they are more than ``tolerance`` apart (relative) or one
-    side has none. Counts are shown but not compared: XLA combines independent
-    collectives into one. Methods without a cost model predict nothing.
+    Returns one line per collective kind: predicted and compiled count and result bytes
+    per step, marked ``DIFFERS`` where either is more than ``tolerance`` apart
+    (relative to the larger) or one side has none. The prediction already combines
+    collectives as XLA does (``jaxdist.shard.combine``). Methods without a cost model
+    predict nothing.
     """
     predicted = self.plan.predicted_collectives
     compiled = self.communication()
@@ -127,8 +128,8 @@ class Executable:
     for kind in sorted(set(predicted) | set(compiled)):
       p = predicted.get(kind, {"count": 0, "result_bytes": 0.0})
       c = compiled.get(kind, hlo_inspect.CollectiveStats())
-      high = max(p["result_bytes"], c.result_bytes, 1.0)
-      differs = abs(p["result_bytes"] - c.result_bytes) / high > tolerance
+      differs = (_apart(p["result_bytes"], c.result_bytes, tolerance)
+                 or _apart(p["count"], c.count, tolerance))
       lines.append(f"{kind}: predicted {p['count']} x, {p['result_bytes']:.0f} B; compiled "
                    f"{c.count} x, {c.result_bytes} B{'  DIFFERS' if differs else ''}")
     return lines
@@ -138,6 +139,10 @@ class Executable:
     if self._communication is None:
       self._communication = hlo_inspect.collective_summary(self.get_hlo_text())
     return self._communication
+
+
+def _apart(a: float, b: float, tolerance: float) -> bool:
+  return abs(a - b) > tolerance * max(a, b, 1e-12)
 
 
 def make_plan(method_name: str, step: TracedStep, layout: Layout, shard_plan=None) -> Plan:
@@ -162,9 +167,11 @@ def compile_layout(step: TracedStep, layout: Layout):
   donated = {k for k, leaf in enumerate(step.inputs) if leaf.argnum in step.donated_argnums}
   if layout.grad_reduce_specs is not None:
     flat_fun = split_step_fn(step, mesh, layout.batch_axes, layout.num_micro_batches,
-                             layout.grad_reduce_specs, layout.eqn_constraints)
-  elif layout.eqn_constraints:
-    flat_fun = constrained_fn(step.closed_jaxpr, mesh, layout.eqn_constraints)
+                             layout.grad_reduce_specs, layout.eqn_constraints,
+                             layout.operand_constraints)
+  elif layout.eqn_constraints or layout.operand_constraints:
+    flat_fun = constrained_fn(step.closed_jaxpr, mesh, layout.eqn_constraints or {},
+                              layout.operand_constraints or {})
   else:
     flat_fun = jax.extend.core.jaxpr_as_fun(step.closed_jaxpr)
   constraints = [None if c is None else NamedSharding(mesh, c) for c in layout.out_constraints]
@@ -181,14 +188,16 @@ def compile_layout(step: TracedStep, layout: Layout):
   return jitted.lower(*args).compile()
 
 
-def constrained_fn(closed, mesh, eqn_constraints):
-  """Evaluates ``closed`` with ``with_sharding_constraint`` on the chosen equations' outputs."""
+def constrained_fn(closed, mesh, eqn_constraints, operand_constraints=None):
+  """Evaluates ``closed`` with ``with_sharding_constraint`` on the chosen equations' outputs
+  (and on the operands the plan reshards)."""
   after = jaxpr_util.constraint_hook(mesh, eqn_constraints)
+  before = jaxpr_util.operand_hook(mesh, operand_constraints or {})
 
   def run(*leaves):
     env = dict(zip(closed.jaxpr.constvars, closed.consts))
     env.update(zip(closed.jaxpr.invars, leaves))
-    jaxpr_util.eval_eqns(closed.jaxpr, env, after=after)
+    jaxpr_util.eval_eqns(closed.jaxpr, env, after=after, before=before)
     return [jaxpr_util.read(env, v) for v in closed.jaxpr.outvars]
 
   return run

@@ -49,7 +49,7 @@ def bind_eqn(eqn, invals: Sequence) -> list:
 
 def eval_eqns(jaxpr, env: dict, eqn_ids: Iterable[int] | None = None,
               inline: Sequence[str] = (), substitute: dict | None = None,
-              after: Callable | None = None) -> dict:
+              after: Callable | None = None, before: Callable | None = None) -> dict:
   """Evaluates equations of ``jaxpr`` in order, reading and writing ``env`` (var → value).
 
   Args:
@@ -60,6 +60,8 @@ def eval_eqns(jaxpr, env: dict, eqn_ids: Iterable[int] | None = None,
     substitute: equation index → output values to use instead of evaluating it.
     after: ``after(index, outputs) -> outputs`` applied to each evaluated equation's
       outputs (to add sharding constraints).
+    before: ``before(index, operands) -> operands`` applied to each evaluated
+      equation's operands.
   """
   ids = range(len(jaxpr.eqns)) if eqn_ids is None else sorted(eqn_ids)
   for i in ids:
@@ -68,6 +70,8 @@ def eval_eqns(jaxpr, env: dict, eqn_ids: Iterable[int] | None = None,
       outs = substitute[i]
     else:
       invals = [read(env, v) for v in eqn.invars]
+      if before is not None:
+        invals = before(i, invals)
       sub = _call_body(eqn) if eqn.primitive.name in inline else None
       if eqn.primitive.name in inline and eqn.primitive.name == IDENTITY_MARKER:
         outs = list(invals)
@@ -110,6 +114,22 @@ def constraint_hook(mesh, eqn_constraints: dict) -> Callable:
     return [jax.lax.with_sharding_constraint(o, s) for o, s in zip(outs, shardings[i])]
 
   return after
+
+
+def operand_hook(mesh, operand_constraints: dict) -> Callable:
+  """A ``before`` hook for :func:`eval_eqns`: the operands named in
+  ``operand_constraints`` (index → one ``PartitionSpec`` or None per operand) are put in
+  those shardings before the equation runs (``mesh=None`` as in :func:`constraint_hook`)."""
+  shardings = {i: [s if mesh is None or s is None else jax.sharding.NamedSharding(mesh, s)
+                   for s in specs] for i, specs in operand_constraints.items()}
+
+  def before(i, invals):
+    if i not in shardings:
+      return invals
+    return [x if s is None else jax.lax.with_sharding_constraint(x, s)
+            for x, s in zip(invals, shardings[i])]
+
+  return before
 
 
 def _call_body(eqn):

@@ -42,6 +42,9 @@ class Layout:
       sharded spec its reduce-scatter produces (see ``jaxdist.accumulate``).
     eqn_constraints: equation index → specs its outputs are constrained to (the shard
       planner's choices), applied while the jaxpr is re-interpreted.
+    operand_constraints: equation index → per operand, the spec it is resharded to
+      before the equation runs, or None (where the plan reshards a value between its
+      producer and this consumer; so XLA does the resharding the plan priced).
   """
 
   logical_mesh: LogicalMesh
@@ -53,6 +56,7 @@ class Layout:
   batch_axes: tuple[str, ...] = ()
   grad_reduce_specs: tuple[PartitionSpec | None, ...] | None = None
   eqn_constraints: dict[int, tuple[PartitionSpec, ...]] | None = None
+  operand_constraints: dict[int, tuple[PartitionSpec | None, ...]] | None = None
 
 
 def batch_spec(lmesh: LogicalMesh) -> PartitionSpec:

@@ -47,7 +47,8 @@ class Flow:
 
   ``required``: per choice of ``dst``'s group, the spec ``dst`` needs (None: any);
   ``full_bytes``: the value's unsharded size; ``tied``: a donated output flowing back to
-  the input it updates (a constraint between steps, not a data dependency).
+  the input it updates (a constraint between steps, not a data dependency); ``operand``:
+  which operand of ``dst``'s equation the value is.
   """
 
   src: int
@@ -56,6 +57,7 @@ class Flow:
   required: tuple
   full_bytes: float
   tied: bool = False
+  operand: int | None = None
 
 
 @dataclasses.dataclass
@@ -88,16 +90,20 @@ class StrategyGraph:
   def collectives(self, choice, cost_model: CostModel) -> list[tuple[int, tuple[str, tuple, float]]]:
     """Every collective the plan ``choice`` has before XLA combines any, as (node, (kind,
     axes, per-device bytes)): a node's own, then the resharding into it (``node`` is the
-    consumer) or, for a tied output, into the input it updates."""
+    consumer) or, for a tied output, into the input it updates. A value resharded to the
+    same spec for several consumers counts once (XLA computes it once)."""
     out = []
     for k, node in enumerate(self.nodes):
       out += [(k, c) for c in node.strategies[choice[node.group]].collectives]
+    done = set()  # a value resharded to one spec for several consumers moves once (CSE)
     for flow in self.flows:
       want = flow.required[choice[self.nodes[flow.dst].group]]
       have = self.nodes[flow.src].strategies[choice[self.nodes[flow.src].group]].out_specs[flow.pos]
-      if want is not None:
-        where = flow.src if flow.tied else flow.dst
-        out += [(where, c) for c in cost_model.reshard_collectives(have, want, flow.full_bytes)]
+      if want is None or (flow.src, flow.pos, want, flow.tied) in done:
+        continue
+      done.add((flow.src, flow.pos, want, flow.tied))
+      where = flow.src if flow.tied else flow.dst
+      out += [(where, c) for c in cost_model.reshard_collectives(have, want, flow.full_bytes)]
     return out
 
   def spec_of(self, var, choice: list[int]) -> DimAxes:
@@ -132,10 +138,12 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
     producer[v] = (new_node("const", [Strategy("const", (replicated(len(v.aval.shape)),), ())]), 0)
   for k, v in enumerate(jaxpr.invars):
     shape = tuple(getattr(v.aval, "shape", ()))
+    penalty = REPLICATED_INPUT_PENALTY * cost_model.all_reduce(tuple(sizes), 1.0)
     if input_choices and k in input_choices:
-      strategies = [Strategy("input", (s,), ()) for s in input_choices[k]]
+      allowed = input_choices[k]
+      strategies = [Strategy("input", (s,), (), penalty if len(allowed) > 1 and not any(s)
+                             and nbytes(v) > 0 else 0.0) for s in allowed]
     else:
-      penalty = REPLICATED_INPUT_PENALTY * cost_model.all_reduce(tuple(sizes), 1.0)
       strategies = input_strategies(shape, sizes, nbytes(v), penalty)
     producer[v] = (new_node(f"input {k}", strategies, input_index=k), 0)
 
@@ -183,7 +191,7 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
         continue
       required = [s.in_specs[pos] if pos < len(s.in_specs) else None for s in node.strategies]
       flows.append(Flow(producer[v][0], producer[v][1], node_ids[id(node)], tuple(required),
-                        nbytes(v)))
+                        nbytes(v), operand=pos))
   phase = combine.phases(nodes, flows)
   for out_pos, in_pos in (tied_outputs or {}).items():
     v_out = jaxpr.outvars[out_pos]

@@ -383,8 +383,9 @@ def _index_batch_specs(idx_shape, sizes):
 
 
 def _gather(eqn, sizes) -> list[Strategy]:
-  """Gather: split the indices' batch dims; the output follows them, and where a dim
-  is also an operand batching dim (take_along_axis) the operand is split alike."""
+  """Gather: split the indices' batch dims, and the operand's passthrough dims (taken
+  whole by every slice); the output follows both. Where an index dim is also an operand
+  batching dim (take_along_axis) the operand is split alike."""
   operand, indices = eqn.invars[0], eqn.invars[1]
   out_shape, idx_shape, op_shape = _shape(eqn.outvars[0]), _shape(indices), _shape(operand)
   dnums = eqn.params["dimension_numbers"]
@@ -392,19 +393,33 @@ def _gather(eqn, sizes) -> list[Strategy]:
   idx_batch = list(range(len(idx_shape) - 1))
   paired = dict(zip(getattr(dnums, "start_indices_batching_dims", ()),
                     getattr(dnums, "operand_batching_dims", ())))
+  windowed = [d for d in range(len(op_shape)) if d not in set(dnums.collapsed_slice_dims)
+              and d not in set(getattr(dnums, "operand_batching_dims", ()))]
+  to_out = dict(zip(windowed, dnums.offset_dims))
+  slice_sizes = eqn.params["slice_sizes"]
+  passthrough = [d for d in windowed if slice_sizes[d] == op_shape[d]
+                 and d not in set(dnums.start_index_map)]
   strategies = []
   for ispec in _index_batch_specs(idx_shape, sizes):
-    o = [()] * len(out_shape)
-    op = [()] * len(op_shape)
-    for k, idd in enumerate(idx_batch):
-      if ispec[idd] and k < len(out_batch):
-        o[out_batch[k]] = ispec[idd]
-        if idd in paired:
-          op[paired[idd]] = ispec[idd]
-    if not divides(op_shape, tuple(op), sizes):
-      continue
-    strategies.append(Strategy(f"gather {_describe_short(ispec)}", (tuple(o),),
-                               (tuple(op), ispec) + (None,) * (len(eqn.invars) - 2)))
+    used = {a for axes in ispec for a in axes}
+    free = {a: n for a, n in sizes.items() if a not in used}
+    through = [t for t in enumerate_specs(op_shape, free)
+               if all(not t[d] for d in range(len(op_shape)) if d not in passthrough)]
+    for tspec in through or [replicated(len(op_shape))]:
+      o = [()] * len(out_shape)
+      op = list(tspec)
+      for d in passthrough:
+        o[to_out[d]] = tspec[d]
+      for k, idd in enumerate(idx_batch):
+        if ispec[idd] and k < len(out_batch):
+          o[out_batch[k]] = ispec[idd]
+          if idd in paired:
+            op[paired[idd]] = ispec[idd]
+      if not divides(op_shape, tuple(op), sizes) or not divides(out_shape, tuple(o), sizes):
+        continue
+      strategies.append(Strategy(f"gather {_describe_short(ispec)} {_describe_short(tspec)}",
+                                 (tuple(o),),
+                                 (tuple(op), ispec) + (None,) * (len(eqn.invars) - 2)))
   return strategies
 
 
