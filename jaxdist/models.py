@@ -85,6 +85,103 @@ class GPT(nn.Module):
     return nn.Dense(c.vocab)(x)
 
 
+class EncoderBlock(nn.Module):
+  """BERT's post-LayerNorm encoder block: bidirectional self-attention and a 4x MLP."""
+
+  config: GPTConfig
+
+  @nn.compact
+  def __call__(self, x):
+    c = self.config
+    h = nn.MultiHeadDotProductAttention(num_heads=c.heads, qkv_features=c.width)(x, x)
+    x = nn.LayerNorm()(x + h)
+    h = nn.Dense(c.width)(nn.gelu(nn.Dense(4 * c.width)(x)))
+    return nn.LayerNorm()(x + h)
+
+
+class BERT(nn.Module):
+  """An encoder (BERT-style: embeddings, LayerNorm, post-LN blocks) with a token head;
+  trained here with :func:`lm_step`'s objective (each position predicts the next token)."""
+
+  config: GPTConfig
+
+  @nn.compact
+  def __call__(self, tokens):
+    c = self.config
+    x = nn.Embed(c.vocab, c.width)(tokens)
+    pos = self.param("pos_embedding", nn.initializers.normal(0.02), (c.seq_len, c.width))
+    x = nn.LayerNorm()(x + pos[: tokens.shape[1]])
+    for i in range(c.depth):
+      x = EncoderBlock(c, name=f"block_{i}")(x)
+    return nn.Dense(c.vocab)(x)
+
+
+class MoE(nn.Module):
+  """A GShard mixture-of-experts MLP: top-2 gating with an expert capacity, dense
+  dispatch and combine tensors, and expert weights stacked on a leading expert dim
+  (``(experts, width, hidden)``), which expert parallelism splits."""
+
+  num_experts: int = 8
+  hidden: int = 256
+  capacity_factor: float = 2.0
+
+  @nn.compact
+  def __call__(self, x):
+    groups, tokens, width = x.shape  # each batch row is a dispatch group
+    e = self.num_experts
+    capacity = max(1, int(self.capacity_factor * tokens * 2 / e))
+    gates = jax.nn.softmax(nn.Dense(e, use_bias=False, name="gate")(x), axis=-1)
+    dispatch = jnp.zeros((groups, tokens, e, capacity), x.dtype)
+    combine = jnp.zeros((groups, tokens, e, capacity), x.dtype)
+    remaining = gates
+    filled = jnp.zeros((groups, e), jnp.int32)
+    for _ in range(2):  # top-2: the best expert, then the best of the rest
+      choice = jax.nn.one_hot(jnp.argmax(remaining, axis=-1), e, dtype=jnp.int32)
+      slot = jnp.cumsum(choice, axis=1) - 1 + filled[:, None, :]
+      keep = choice * (slot < capacity)
+      where = keep[..., None] * jax.nn.one_hot(slot, capacity, dtype=jnp.int32)
+      dispatch = dispatch + where.astype(x.dtype)
+      combine = combine + where.astype(x.dtype) * (gates * keep)[..., None]
+      filled = filled + keep.sum(axis=1)
+      remaining = remaining * (1 - choice)
+    w_in = self.param("w_in", nn.initializers.lecun_normal(), (e, width, self.hidden))
+    w_out = self.param("w_out", nn.initializers.lecun_normal(), (e, self.hidden, width))
+    expert_in = jnp.einsum("gsec,gsm->egcm", dispatch, x)
+    h = nn.gelu(jnp.einsum("egcm,emh->egch", expert_in, w_in))
+    expert_out = jnp.einsum("egch,ehm->egcm", h, w_out)
+    return jnp.einsum("gsec,egcm->gsm", combine, expert_out)
+
+
+class MoEBlock(nn.Module):
+  config: GPTConfig
+  num_experts: int = 8
+
+  @nn.compact
+  def __call__(self, x):
+    c = self.config
+    h = nn.LayerNorm()(x)
+    mask = nn.make_causal_mask(jnp.ones(x.shape[:2], dtype=jnp.int32))
+    x = x + nn.MultiHeadDotProductAttention(num_heads=c.heads, qkv_features=c.width)(h, h, mask=mask)
+    return x + MoE(self.num_experts, 4 * c.width)(nn.LayerNorm()(x))
+
+
+class MoELM(nn.Module):
+  """The GPT above with every block's MLP a :class:`MoE` of ``num_experts`` experts."""
+
+  config: GPTConfig
+  num_experts: int = 8
+
+  @nn.compact
+  def __call__(self, tokens):
+    c = self.config
+    x = nn.Embed(c.vocab, c.width)(tokens)
+    pos = self.param("pos_embedding", nn.initializers.normal(0.02), (c.seq_len, c.width))
+    x = x + pos[: tokens.shape[1]]
+    for i in range(c.depth):
+      x = MoEBlock(c, self.num_experts, name=f"block_{i}")(x)
+    return nn.Dense(c.vocab)(nn.LayerNorm()(x))
+
+
 def create_state(model: nn.Module, sample, tx=None, seed: int = 0) -> train_state.TrainState:
   """A flax TrainState with ``model``'s parameters initialized on ``sample``."""
   params = model.init(jax.random.key(seed), sample)

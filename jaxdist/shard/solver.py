@@ -224,7 +224,8 @@ def solve_ilp(graph: StrategyGraph, memory: MemoryConstraint | None = None,
       limits.append(budget - fixed)
     constraints.append(np.array(rows) @ x <= np.array(limits))
 
-  problem = cp.Problem(cp.Minimize(objective), constraints)
+  # Seconds are tiny numbers; HiGHS is better conditioned on microseconds.
+  problem = cp.Problem(cp.Minimize(1e6 * objective), constraints)
   options = {} if time_limit_s is None else {"time_limit": float(time_limit_s)}
   problem.solve(solver=cp.HIGHS, **options)
   if problem.status in ("infeasible", "infeasible_inaccurate", "infeasible_or_unbounded"):
@@ -254,40 +255,50 @@ def _combined_alpha(graph, terms, x, e, offset, e_offset, constraints):
       if where[0] == "x":
         _, g, t = where
         if g in offset:
-          on_x.append((k, offset[g] + t, nbytes))
+          on_x.append((k, offset[g] + t, nbytes, g))
         elif t == 0:
           fixed[k] = 1
         continue
       _, g, h, a, b = where
       if g in offset and h in offset:
-        on_e.append((k, e_offset[g, h] + a * graph.group_sizes[h] + b, nbytes))
+        on_e.append((k, e_offset[g, h] + a * graph.group_sizes[h] + b, nbytes, (g, h)))
       elif g in offset and b == 0:
-        on_x.append((k, offset[g] + a, nbytes))
+        on_x.append((k, offset[g] + a, nbytes, g))
       elif h in offset and a == 0:
-        on_x.append((k, offset[h] + b, nbytes))
+        on_x.append((k, offset[h] + b, nbytes, h))
       elif a == 0 and b == 0:
         fixed[k] = 1
   a = cp.Variable(len(terms), nonneg=True)
   constraints.append(a >= fixed)
-  parts, term_of, weights = [], [], []
-  for members, var in ((on_x, x), (on_e, e)):
-    if members:
-      index = np.array([i for _, i, _ in members])
-      parts.append(sp.csr_matrix((np.ones(len(members)), (np.arange(len(members)), index)),
-                                 shape=(len(members), var.shape[0])) @ var)
-      term_of += [k for k, _, _ in members]
-      weights += [b for _, _, b in members]
-  if parts:
-    member = parts[0] if len(parts) == 1 else cp.hstack(parts)
-    n = len(term_of)
-    constraints.append(sp.csr_matrix((np.ones(n), (np.arange(n), term_of)),
-                                     shape=(n, len(terms))) @ a >= member)
-    limits = [np.ones(n) / graph.combine.threshold_count]
+  # a_k >= the sum of its members' variables within one group (or one edge): at most one
+  # of them is 1, and the sum makes the LP relaxation much tighter than one row each.
+  rows, cols, vals, n_rows, term_of_row = [], [], [], 0, []
+  for members, base in ((on_x, 0), (on_e, x.shape[0])):
+    bucket = {}
+    for k, i, _, block in members:
+      bucket.setdefault((k, block), set()).add(i)
+    for (k, _), indices in bucket.items():
+      rows += [n_rows] * len(indices); cols += [base + i for i in indices]
+      term_of_row.append(k); n_rows += 1
+  if n_rows:
+    stacked = x if e is None else cp.hstack([x, e])
+    width = x.shape[0] + (0 if e is None else e.shape[0])
+    lhs = sp.csr_matrix((np.ones(n_rows), (np.arange(n_rows), term_of_row)),
+                        shape=(n_rows, len(terms)))
+    rhs = sp.csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(n_rows, width))
+    constraints.append(lhs @ a >= rhs @ stacked)
+    limits = []
+    for members, base in ((on_x, 0), (on_e, x.shape[0])):
+      for k, i, b, _ in members:
+        limits.append((k, base + i, b))
+    scales = [(lambda b: 1.0 / graph.combine.threshold_count)]
     if np.isfinite(graph.combine.threshold_bytes):
-      limits.append(np.array(weights) / graph.combine.threshold_bytes)
-    for scale in limits:
-      constraints.append(a >= sp.csr_matrix((scale, (term_of, np.arange(n))),
-                                            shape=(len(terms), n)) @ member)
+      scales.append(lambda b: b / graph.combine.threshold_bytes)
+    for scale in scales:
+      agg = sp.csr_matrix(([scale(b) for _, _, b in limits],
+                           ([k for k, _, _ in limits], [i for _, i, _ in limits])),
+                          shape=(len(terms), width))
+      constraints.append(a >= agg @ stacked)
   return np.array([term.alpha for term in terms]) @ a
 
 
