@@ -13,12 +13,36 @@ from jax.sharding import AxisType, Mesh
 
 from jaxdist import errors
 
-# Defaults for the cost model when the user gives none: a fast intra-node link of
-# 100 GB/s. The latency is per *tensor*: XLA combines independent collectives into one,
-# so a gradient all-reduce pays only a share of a launch (~10 µs); 0.1 µs keeps small
-# tensors from looking latency-bound.
-DEFAULT_ALPHA_S = 1e-7
-DEFAULT_BETA_S_PER_BYTE = 1e-11
+# Cost-model defaults per device kind, used where the user gives no α / β / peak flops:
+# (α seconds per collective, β seconds per byte on the link between devices of one node,
+# dense bf16 peak flops per device). Published figures (NVLink per direction, TPU ICI);
+# a multi-node mesh should give its slower axis the network's α and β explicitly.
+# The CPU row is a development stand-in for a fast intra-node link (simulated CPU
+# devices have no real link).
+DEVICE_COSTS = {
+    "cpu": (1e-7, 1e-11, 1e14),
+    "a100": (10e-6, 1 / 300e9, 312e12),
+    "h100": (10e-6, 1 / 450e9, 989e12),
+    "h200": (10e-6, 1 / 450e9, 989e12),
+    "b200": (10e-6, 1 / 900e9, 2250e12),
+    "tpu v5 lite": (5e-6, 1 / 200e9, 197e12),
+    "tpu v5e": (5e-6, 1 / 200e9, 197e12),
+    "tpu v5p": (5e-6, 1 / 600e9, 459e12),
+    "gpu": (10e-6, 1 / 100e9, 1e14),
+    "tpu": (5e-6, 1 / 100e9, 1e14),
+}
+DEFAULT_ALPHA_S, DEFAULT_BETA_S_PER_BYTE, DEFAULT_PEAK_FLOPS = DEVICE_COSTS["cpu"]
+
+
+def device_costs(device) -> tuple[float, float, float]:
+  """(α, β, peak flops) for a jax device, from :data:`DEVICE_COSTS` by its kind (e.g.
+  ``"NVIDIA H100 80GB HBM3"`` → ``"h100"``), else by its platform."""
+  kind = str(getattr(device, "device_kind", "")).lower()
+  for name, costs in DEVICE_COSTS.items():
+    if name not in ("cpu", "gpu", "tpu") and name in kind:
+      return costs
+  platform = {"cuda": "gpu", "rocm": "gpu"}.get(device.platform, device.platform)
+  return DEVICE_COSTS.get(platform, DEVICE_COSTS["cpu"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,9 +55,12 @@ class LogicalMesh:
   Args:
     shape: mesh shape, e.g. ``(2, 4)``. Its product must equal the number of devices.
     axis_names: one name per axis; default ``("mesh_0", "mesh_1", ...)``.
-    alpha: latency per axis in seconds; a scalar applies to every axis.
-    beta: inverse bandwidth per axis in seconds per byte; a scalar applies to every axis.
+    alpha: latency per axis in seconds; a scalar applies to every axis. Default: the
+      device kind's (:data:`DEVICE_COSTS`).
+    beta: inverse bandwidth per axis in seconds per byte; a scalar applies to every
+      axis. Default: the device kind's.
     devices: the devices, in row-major mesh order; default all of ``jax.devices()``.
+    peak_flops: per-device compute rate of the cost model; default the device kind's.
 
   Raises:
     MeshShapeError: the shape does not multiply to the device count, or the names or
@@ -46,6 +73,7 @@ class LogicalMesh:
   alpha: float | tuple[float, ...] | None = None
   beta: float | tuple[float, ...] | None = None
   devices: tuple[Any, ...] | None = None
+  peak_flops: float | None = None
 
   def __post_init__(self):
     shape = tuple(int(s) for s in self.shape)
@@ -59,8 +87,6 @@ class LogicalMesh:
           f"LogicalMesh(axis_names={self.axis_names!r}): need {len(shape)} distinct names, "
           f"one per axis of shape {shape}.")
     object.__setattr__(self, "axis_names", tuple(names))
-    object.__setattr__(self, "alpha", _per_axis("alpha", self.alpha, DEFAULT_ALPHA_S, shape))
-    object.__setattr__(self, "beta", _per_axis("beta", self.beta, DEFAULT_BETA_S_PER_BYTE, shape))
     if self.devices is None:
       available = jax.devices()
       if math.prod(shape) > len(available):
@@ -75,6 +101,13 @@ class LogicalMesh:
           f"LogicalMesh(shape={shape}) has {math.prod(shape)} positions but {len(devs)} devices "
           f"were given; the shape must multiply to the device count.")
     object.__setattr__(self, "devices", devs)
+    alpha, beta, peak = device_costs(devs[0])
+    object.__setattr__(self, "alpha", _per_axis("alpha", self.alpha, alpha, shape))
+    object.__setattr__(self, "beta", _per_axis("beta", self.beta, beta, shape))
+    if self.peak_flops is None:
+      object.__setattr__(self, "peak_flops", peak)
+    elif not self.peak_flops > 0:
+      raise errors.MeshShapeError(f"LogicalMesh(peak_flops={self.peak_flops!r}) must be > 0.")
 
   @property
   def num_devices(self) -> int:

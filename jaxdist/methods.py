@@ -180,8 +180,12 @@ class ShardParallel(Method):
     num_micro_batches: gradient accumulation (as :class:`DataParallel`).
     recompute_modules: as :class:`DataParallel`.
     logical_mesh_shape: e.g. ``(2, 4)``; its product must be the device count. None
-      solves every factorization of the device count (1-D and 2-D) and keeps the
-      cheapest; each shape's objective is recorded in the plan.
+      plans on the mesh given as ``devices=`` (a ``jaxdist.LogicalMesh`` or
+      ``jax.sharding.Mesh``: its shape, axis names and per-axis costs, no search), or,
+      when ``devices`` is None or a device list, solves every factorization of the
+      device count (1-D and 2-D) and keeps the cheapest; ``"search"`` searches the shapes
+      over the given mesh's devices with its α/β (a per-axis value applies to shapes of
+      the same rank, the largest to the others). Each shape's objective is in the plan.
     auto_sharding_option: an :class:`AutoShardingOption`.
     plan: a saved :class:`jaxdist.Plan` (``Plan.load(path)``) to apply instead of
       searching: its mesh shape and every input leaf's spec are taken as they are and
@@ -199,12 +203,12 @@ class ShardParallel(Method):
   def _validate(self):
     Method._validate(self)
     shape = self.logical_mesh_shape
-    if shape is not None and (not isinstance(shape, (tuple, list)) or not shape
+    if shape is not None and shape != "search" and (not isinstance(shape, (tuple, list)) or not shape
                               or not all(isinstance(n, int) and n >= 1 for n in shape)
                               or len(shape) > 2):
       raise errors.MeshShapeError(
           f"ShardParallel(logical_mesh_shape={shape!r}): give a tuple of 1 or 2 positive ints "
-          f"whose product is the device count, or None to search.")
+          f"whose product is the device count, \"search\", or None.")
     if self.plan is not None and type(self.plan).__name__ != "Plan":
       raise errors.InvalidArgumentError(
           f"ShardParallel(plan={self.plan!r:.60}) must be a jaxdist.Plan (jaxdist.Plan.load(path)).")

@@ -13,6 +13,8 @@ import os
 
 from jax.sharding import PartitionSpec
 
+from jaxdist.errors import PlanMismatchError
+
 FORMAT_VERSION = 1
 
 
@@ -71,18 +73,37 @@ class Plan:
 
   @classmethod
   def from_json(cls, text: str) -> "Plan":
-    d = json.loads(text)
+    try:
+      d = json.loads(text)
+    except json.JSONDecodeError as e:
+      raise PlanMismatchError(f"the plan is not valid JSON ({e}); write plans with Plan.save().") from None
+    if not isinstance(d, dict):
+      raise PlanMismatchError(f"the plan is a JSON {type(d).__name__}, not an object; write plans "
+                              f"with Plan.save().")
     version = d.get("format_version")
     if version != FORMAT_VERSION:
-      from jaxdist.errors import PlanMismatchError
       raise PlanMismatchError(
           f"plan format_version={version!r} is not supported; this jaxdist reads version "
           f"{FORMAT_VERSION}. Re-create the plan with this version.")
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [name for name in required if name not in d]
+    unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+    entry_fields = [f.name for f in dataclasses.fields(PlanEntry)]
+    bad = next((k for k, e in enumerate(d.get("inputs") or [])
+                if not isinstance(e, dict) or set(entry_fields) - set(e)), None)
+    if missing or unknown or bad is not None:
+      what = (f"lacks field(s) {', '.join(missing)}" if missing else
+              f"has unknown field(s) {', '.join(unknown)}" if unknown else
+              f"has an inputs[{bad}] entry without all of {', '.join(entry_fields)}")
+      raise PlanMismatchError(
+          f"the plan (format_version {version}) {what}; a plan needs {', '.join(required)} "
+          f"(as Plan.to_json() writes them). Re-create it with Plan.save().")
     d["inputs"] = tuple(PlanEntry(e["path"], tuple(e["shape"]), e["dtype"], e["role"],
                                   spec_from_json(e["spec"])) for e in d["inputs"])
     d["mesh_shape"] = tuple(d["mesh_shape"])
     d["axis_names"] = tuple(d["axis_names"])
-    d["notes"] = tuple(d["notes"])
+    d["notes"] = tuple(d.get("notes", ()))
     return cls(**d)
 
   def save(self, path: str | os.PathLike) -> None:

@@ -131,7 +131,7 @@ def _auto_stage_layout(method: m.PipeshardParallel, loss: capture.CapturedLoss, 
 
   @functools.lru_cache(maxsize=None)
   def layer_cost(layer, n):
-    return program_cost(make_stage(loss, starts, layer, layer + 1, devices[:n]))
+    return program_cost(make_stage(loss, starts, layer, layer + 1, devices[:n], lmesh))
 
   def cost(i, j, n):
     return sum(layer_cost(layer, n) for layer in range(i, j)) + beta * cross[starts[i]]
@@ -189,8 +189,10 @@ def _stage_layout(method: m.PipeshardParallel, num_layers: int, lmesh: LogicalMe
           [None if shape is None else tuple(shape)] * num_stages)
 
 
-def make_stage(loss: capture.CapturedLoss, starts, first: int, last: int, devices) -> Stage:
-  """The stage running layers ``first..last-1`` of the loss on ``devices`` (uncompiled)."""
+def make_stage(loss: capture.CapturedLoss, starts, first: int, last: int, devices,
+               like: LogicalMesh) -> Stage:
+  """The stage running layers ``first..last-1`` of the loss on ``devices`` (uncompiled),
+  with the link costs (the largest α and β) and peak flops of the method's mesh ``like``."""
   jaxpr = loss.closed.jaxpr
   layer_ends = starts[1:] + (len(jaxpr.eqns),)
   skip = set(jaxpr_util.find_eqns(jaxpr, layers_mod.boundary_p.name))
@@ -205,7 +207,8 @@ def make_stage(loss: capture.CapturedLoss, starts, first: int, last: int, device
   later |= {v for v in jaxpr.outvars if not isinstance(v, jex.Literal)}
   return Stage(
       layers=(first, last), eqns=ids,
-      mesh=LogicalMesh((len(devices),), axis_names=(STAGE_AXIS,), devices=tuple(devices)),
+      mesh=LogicalMesh((len(devices),), axis_names=(STAGE_AXIS,), devices=tuple(devices),
+                       alpha=max(like.alpha), beta=max(like.beta), peak_flops=like.peak_flops),
       operands=tuple(operand_index[v] for v in reads if v in operand_index),
       acts_in=tuple(v for v in reads if v not in operand_index),
       acts_out=tuple(v for v in dict.fromkeys(v for i in ids for v in jaxpr.eqns[i].outvars)
@@ -234,7 +237,7 @@ def build_stages(method: m.PipeshardParallel, loss: capture.CapturedLoss, lmesh:
   devices = list(lmesh.devices)
   stages, offset = [], 0
   for (first, last), size, shape in zip(ranges, sizes, shapes):
-    stages.append(make_stage(loss, starts, first, last, devices[offset:offset + size]))
+    stages.append(make_stage(loss, starts, first, last, devices[offset:offset + size], lmesh))
     stages[-1].mesh_shape = shape
     offset += size
   return stages, starts, predicted

@@ -64,7 +64,6 @@ from jaxdist.pipeline import capture, layers as layers_mod, per_device, stage_sh
 from jaxdist.pipeline.schedule import BACKWARD, FORWARD, Schedule, make_schedule
 from jaxdist.pipeline.partition import Stage, build_stages, stage_functions
 from jaxdist.plan import Plan, PlanEntry
-from jaxdist.shard.cost import CostModel
 from jaxdist.trace import BATCH, INPUT, OPTIMIZER, PARAM, TracedStep
 
 
@@ -481,7 +480,7 @@ class PipelineExecutable:
           backward, stage.mesh, option, compile=False).result.objective
     jaxpr = self._loss.closed.jaxpr
     flops = sum(jaxpr_util.eqn_flops(jaxpr.eqns[i]) for i in stage.eqns)
-    return self._cost_cache[key] + flops / (n * CostModel.peak_flops)
+    return self._cost_cache[key] + flops / (n * stage.mesh.peak_flops)
 
   def _compile_stages(self, option: m.AutoShardingOption):
     """Plans and compiles every stage's programs: the backward (which holds all of the

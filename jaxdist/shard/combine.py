@@ -127,16 +127,18 @@ class Members:
   def __init__(self, cost_model: CostModel):
     self._cost_model = cost_model
     self._members = defaultdict(list)
+    self._kinds = cost_model.combining.kinds
 
   def add(self, collective, phase: int, where) -> None:
     kind, axes, nbytes = collective
-    if kind in self._cost_model.combining.kinds and self._cost_model.latency(axes) > 0:
+    if kind in self._kinds:
       self._members[kind, tuple(axes), phase].append((where, nbytes))
 
   def terms(self) -> Terms:
     combining = self._cost_model.combining
     return Terms(tuple(Term(kind, axes, phase, self._cost_model.latency(axes), tuple(members))
-                       for (kind, axes, phase), members in self._members.items()),
+                       for (kind, axes, phase), members in self._members.items()
+                       if self._cost_model.latency(axes) > 0),
                  combining.threshold_bytes, combining.threshold_count)
 
 

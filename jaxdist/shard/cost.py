@@ -16,10 +16,12 @@ one to the other) over the same devices become one tuple all-reduce, and on GPU 
 all-gathers and reduce-scatters too, up to a byte threshold per combined op. So the α of a
 combinable kind is not charged per collective here: :attr:`CostModel.combining` says
 which kinds combine on the backend, and the planner charges one α per combined group
-(``jaxdist.shard.combine``). The β part stays per collective (bytes add up either way). Compute is ``flops / num_shards / peak_flops`` for dots and convolutions,
-and every equation also pays ``output bytes per device / memory_bandwidth`` (elementwise
-work is memory-bound): a replicated computation pays its full size on every device,
-which is what makes splitting attractive beyond the dots.
+(``jaxdist.shard.combine``). The β part stays per collective (bytes add up either way).
+
+Compute is ``flops / num_shards / peak_flops`` for dots and convolutions, and every
+equation also pays ``output bytes per device / memory_bandwidth`` (elementwise work is
+memory-bound): a replicated computation pays its full size on every device, which is what
+makes splitting attractive beyond the dots.
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ class CostModel:
 
   Attributes:
     mesh: the logical mesh (axis sizes, α and β per axis).
-    peak_flops: per-device compute rate used to turn flops into seconds.
+    peak_flops: per-device compute rate used to turn flops into seconds (the planner
+      passes the mesh's, which defaults to its device kind's).
     memory_bandwidth: per-device bytes per second for writing an equation's outputs.
     allow_all_gather, allow_all_to_all: when False, resharding that needs that
       collective costs ``DISALLOWED_S`` instead, so the planner avoids it if it can.

@@ -10,6 +10,7 @@ spec to the spec the consumer requires).
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 
 import jax.extend.core as jex
@@ -113,7 +114,8 @@ class StrategyGraph:
 
 
 def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimAxes]] | None = None,
-                tied_outputs: dict[int, int] | None = None) -> StrategyGraph:
+                tied_outputs: dict[int, int] | None = None,
+                batch_inputs: frozenset[int] = frozenset()) -> StrategyGraph:
   """Builds the strategy graph of an (inlined) jaxpr.
 
   Args:
@@ -122,6 +124,7 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
     input_choices: input position → allowed specs (partition constraints, batch-dim
       forcing); default every divisible spec.
     tied_outputs: output position → input position it must match (donated state).
+    batch_inputs: input positions holding the batch.
   """
   sizes = cost_model.axis_sizes
   nodes: list[Node] = []
@@ -140,9 +143,13 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
     shape = tuple(getattr(v.aval, "shape", ()))
     penalty = REPLICATED_INPUT_PENALTY * cost_model.all_reduce(tuple(sizes), 1.0)
     if input_choices and k in input_choices:
-      allowed = input_choices[k]
-      strategies = [Strategy("input", (s,), (), penalty if len(allowed) > 1 and not any(s)
-                             and nbytes(v) > 0 else 0.0) for s in allowed]
+      # Among the allowed specs, one not split over every mesh axis costs a batch leaf
+      # the same small penalty: a batch held redundantly invites XLA to partition the
+      # equations reading it differently from the plan.
+      allowed, batch = input_choices[k], k in (batch_inputs or ())
+      full = math.prod(sizes.values())
+      strategies = [Strategy("input", (s,), (), penalty if batch and len(allowed) > 1
+                             and num_shards(s, sizes) < full else 0.0) for s in allowed]
     else:
       strategies = input_strategies(shape, sizes, nbytes(v), penalty)
     producer[v] = (new_node(f"input {k}", strategies, input_index=k), 0)
@@ -216,9 +223,10 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
     for t, s in enumerate(node.strategies):
       group_costs[node.group][t] += sum(cost_model.write(b / num_shards(spec, sizes))
                                         for b, spec in zip(out_bytes, s.out_specs))
+  cache = {}
   for flow in flows:
     _add_edge(group_costs, edge_costs, cost_model, members, nodes, flow,
-              combine.TAIL if flow.tied else combine.before(phase, nodes, flow.dst))
+              combine.TAIL if flow.tied else combine.before(phase, nodes, flow.dst), cache)
   return StrategyGraph(nodes, group_sizes, group_costs, edge_costs, producer, tuple(unknown),
                        flows, members.terms(), phase)
 
@@ -227,9 +235,11 @@ def _has_producer(v, producer) -> bool:
   return not isinstance(v, jex.Literal) and v in producer
 
 
-def _add_edge(group_costs, edge_costs, cost_model, members, nodes, flow: Flow, phase: int):
+def _add_edge(group_costs, edge_costs, cost_model, members, nodes, flow: Flow, phase: int,
+              cache: dict):
   """Adds a flow's resharding: to its group's costs when both ends share a group, else
-  to the edge matrix of the two groups; records the collectives for combining."""
+  to the edge matrix of the two groups; records the collectives for combining.
+  ``cache``: (source spec, target spec, bytes) → (seconds, collectives)."""
   src, required = nodes[flow.src], flow.required
   if all(r is None for r in required):
     return
@@ -239,10 +249,14 @@ def _add_edge(group_costs, edge_costs, cost_model, members, nodes, flow: Flow, p
   matrix = np.zeros((len(src_specs), len(required)))
   for a, have in enumerate(src_specs):
     for b, want in enumerate(required):
-      if want is None or (same and a != b):
+      if want is None or (same and a != b) or have == want:
         continue
-      for c in cost_model.reshard_collectives(have, want, flow.full_bytes):
-        matrix[a, b] += cost_model.collective(*c)
+      key = (have, want, flow.full_bytes)
+      if key not in cache:
+        collectives = cost_model.reshard_collectives(have, want, flow.full_bytes)
+        cache[key] = (sum(cost_model.collective(*c) for c in collectives), collectives)
+      matrix[a, b], collectives = cache[key]
+      for c in collectives:
         members.add(c, phase, ("x", dst_group, b) if same else ("e", src.group, dst_group, a, b))
   if same:
     group_costs[dst_group] += np.diag(matrix)

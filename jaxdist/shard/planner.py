@@ -58,7 +58,8 @@ def mesh_for(shape: tuple[int, ...], base: LogicalMesh,
     return base
   alpha = base.alpha if len(base.shape) == len(shape) else max(base.alpha)
   beta = base.beta if len(base.shape) == len(shape) else max(base.beta)
-  return LogicalMesh(shape, axis_names=axis_names, alpha=alpha, beta=beta, devices=base.devices)
+  return LogicalMesh(shape, axis_names=axis_names, alpha=alpha, beta=beta, devices=base.devices,
+                     peak_flops=base.peak_flops)
 
 
 def pinned_by_plan(plan, step: TracedStep) -> dict[int, DimAxes]:
@@ -122,6 +123,8 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep,
   if method.plan is not None:
     pinned = pinned_by_plan(method.plan, step)
     shapes, why = [tuple(method.plan.mesh_shape)], "the saved plan's mesh"
+  elif method.logical_mesh_shape == "search" or not (method.logical_mesh_shape or given):
+    shapes, why = candidate_shapes(base.num_devices), None
   elif method.logical_mesh_shape:
     shapes, why = [tuple(method.logical_mesh_shape)], "logical_mesh_shape"
     if given and len(base.shape) > 1 and shapes[0] != base.shape:
@@ -129,10 +132,8 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep,
           f"ShardParallel(logical_mesh_shape={shapes[0]}) differs from the mesh given as "
           f"devices= (shape {base.shape}, axes {base.axis_names}); give one of them, or the "
           f"same shape in both.")
-  elif given:
-    shapes, why = [base.shape], "the mesh given as devices="
   else:
-    shapes, why = candidate_shapes(base.num_devices), None
+    shapes, why = [base.shape], "the mesh given as devices="
   for shape in shapes:
     if math.prod(shape) != base.num_devices:
       raise errors.MeshShapeError(
@@ -206,7 +207,9 @@ def _input_choices(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOpti
       continue
     if leaf.role == BATCH:
       if opt.force_data_parallel:
-        specs = [s for s in specs if s and set(s[0]) == {a for a in names if sizes[a] > 1}]
+        # (a batch-role leaf without a splittable dim 0, a scalar say, keeps its choices)
+        specs = [s for s in specs
+                 if s and set(s[0]) == {a for a in names if sizes[a] > 1}] or specs
       elif opt.force_batch_dim_to_mesh_dim is not None:
         axis = names[opt.force_batch_dim_to_mesh_dim]
         specs = [s for s in specs if s and axis in s[0]] or specs
@@ -285,10 +288,12 @@ def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
   jaxpr = step.closed_jaxpr.jaxpr
   cost_model = CostModel(lmesh, allow_all_gather=opt.allow_all_gather,
                          allow_all_to_all=opt.allow_all_to_all,
-                         combining=combining_for(lmesh.devices[0].platform))
+                         combining=combining_for(lmesh.devices[0].platform),
+                         peak_flops=lmesh.peak_flops)
   tied = {o: i for o, i in enumerate(step.output_source) if i is not None}
+  batch = frozenset(k for k, leaf in enumerate(step.inputs) if leaf.role == BATCH)
   graph = build_graph(jaxpr, cost_model,
-                      _input_choices(step, lmesh, opt, pinned, num_micro_batches), tied)
+                      _input_choices(step, lmesh, opt, pinned, num_micro_batches), tied, batch)
   memory = None
   if opt.memory_budget_per_device is not None:
     memory = memory_constraint(jaxpr, graph, step, lmesh)
