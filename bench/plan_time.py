@@ -1,9 +1,12 @@
 """Planning cost: the first call of ShardParallel (trace + ILP + XLA compile) against XLA's
 compile of the same GPT step with hand-written data-parallel shardings.
 
-GPT: vocab 2048, width 512, batch 8 x 128, Adam, 8 devices; 6 and 12 blocks. Goal: ratio
-<= 2 at both depths. ShardParallel is given the logical mesh shape (8,) here, so one ILP
-is solved; a full shape search solves one per factorization of the device count.
+GPT: vocab 2048, width 512, batch 8 x 128, Adam, 8 devices; 6 and 12 blocks. Goals (issue
+10): first call <= 1.5 x the hand compile at both depths, its growth from 6 to 12 blocks
+<= 1.2 x the hand compile's growth, and a second planning of the same step (a new
+ParallelizedFunc, as in a new process: the solved ILP comes from the on-disk plan cache)
+<= 1.1 x. ShardParallel is given the logical mesh shape (8,) here, so one ILP is solved;
+a full shape search solves one per factorization of the device count.
 
 Importing cvxpy (and the scipy.stats it pulls in) takes over a second once per process,
 on the first ShardParallel plan; it is timed on its own line and left out of the ratio,
@@ -13,6 +16,8 @@ charged to the first depth is printed too. Run: python bench/plan_time.py
 
 import common  # noqa: F401  (device setup)
 
+import os  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -31,28 +36,38 @@ def measure(depth):
   jax.jit(models.lm_step(), in_shardings=dp.input_shardings,
           out_shardings=dp.output_shardings).lower(state, batch).compile()
   hand_s = time.perf_counter() - start
+  method = jd.ShardParallel(logical_mesh_shape=(8,))
   start = time.perf_counter()
-  exe = jd.parallelize(models.lm_step(), method=jd.ShardParallel(
-      logical_mesh_shape=(8,))).get_executable(state, batch)
+  exe = jd.parallelize(models.lm_step(), method=method).get_executable(state, batch)
   ours_s = time.perf_counter() - start
+  start = time.perf_counter()
+  jd.parallelize(models.lm_step(), method=method).get_executable(state, batch)
+  cached_s = time.perf_counter() - start
   eqns = len(exe._step.closed_jaxpr.jaxpr.eqns)
-  return hand_s, ours_s, eqns
+  return hand_s, ours_s, cached_s, eqns
 
 
 def main():
+  os.environ["JAXDIST_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxdist-plan-time-")
   start = time.perf_counter()
   import cvxpy  # noqa: F401
   import_s = time.perf_counter() - start
   print(f"one-time per process: import cvxpy {import_s:.2f} s")
   ok = True
-  print(f"{'blocks':>6} {'equations':>9} {'hand compile s':>15} {'ShardParallel s':>16} {'ratio':>6} "
-        f"{'with import':>12}")
+  print(f"{'blocks':>6} {'equations':>9} {'hand compile s':>15} {'first call s':>13} {'ratio':>6} "
+        f"{'cached s':>9} {'ratio':>6}")
+  rows = {}
   for depth in (6, 12):
-    hand_s, ours_s, eqns = measure(depth)
-    ratio = ours_s / hand_s
-    ok &= ratio <= 2
-    print(f"{depth:>6} {eqns:>9} {hand_s:>15.2f} {ours_s:>16.2f} {ratio:>6.2f} "
-          f"{(ours_s + import_s) / hand_s:>12.2f}  (goal <= 2: {common.verdict(ratio <= 2)})")
+    hand_s, ours_s, cached_s, eqns = rows[depth] = measure(depth)
+    ratio, cached = ours_s / hand_s, cached_s / hand_s
+    ok &= ratio <= 1.5 and cached <= 1.1
+    print(f"{depth:>6} {eqns:>9} {hand_s:>15.2f} {ours_s:>13.2f} {ratio:>6.2f} {cached_s:>9.2f} "
+          f"{cached:>6.2f}  (goals: <= 1.5 {common.verdict(ratio <= 1.5)}, cached <= 1.1 "
+          f"{common.verdict(cached <= 1.1)})")
+  growth = (rows[12][1] / rows[6][1]) / (rows[12][0] / rows[6][0])
+  ok &= growth <= 1.2
+  print(f"first call's growth 6 -> 12 blocks over the hand compile's: {growth:.2f} "
+        f"(goal <= 1.2: {common.verdict(growth <= 1.2)})")
   return ok
 
 

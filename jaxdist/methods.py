@@ -136,6 +136,9 @@ class AutoShardingOption:
       does not grow with depth (on a 2x4 mesh a 6-block GPT's ILP took over 12 minutes
       unshared and 7 s shared). Runs shorter than 48 equations are never shared, and
       sharing can cost optimality where copies would rather differ.
+    plan_cache: keep solved ILPs on disk (``$JAXDIST_CACHE_DIR/plans``, default
+      ``~/.cache/jaxdist/plans``), keyed by the step's jaxpr, input shapes, mesh and these
+      options, so that planning the same step again (in another process) skips the solve.
   """
 
   allow_all_gather: bool = True
@@ -150,6 +153,7 @@ class AutoShardingOption:
   solver: str = "ilp"
   solver_time_limit_s: float | None = None
   share_repeated_layers: bool = True
+  plan_cache: bool = True
 
   def _validate(self):
     if self.solver not in SOLVERS:

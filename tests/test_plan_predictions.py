@@ -130,3 +130,23 @@ def test_moe_experts_split_on_the_expert_dim_with_all_to_all():
 def test_a_malformed_plan_file_raises_plan_mismatch(text, match):
   with pytest.raises(errors.PlanMismatchError, match=match):
     jd.Plan.from_json(text)
+
+
+def test_a_second_plan_of_the_same_step_comes_from_the_disk_cache(tmp_path, monkeypatch):
+  from jaxdist.shard import planner
+  monkeypatch.setenv("JAXDIST_CACHE_DIR", str(tmp_path))
+  step, state, data = _mlp()
+  solves = []
+  real = planner.solve_ilp
+  monkeypatch.setattr(planner, "solve_ilp", lambda *a, **k: solves.append(1) or real(*a, **k))
+  method = jd.ShardParallel(devices=_mesh((2, 4), H100))
+  first = jd.parallelize(step, method=method).get_executable(state, data)
+  assert len(solves) == 1 and list((tmp_path / "plans").glob("*.json"))
+  second = jd.parallelize(step, method=method).get_executable(state, data)
+  assert len(solves) == 1  # a new ParallelizedFunc, planned from the cache
+  assert second.plan.inputs == first.plan.inputs
+  assert second.plan.objective == pytest.approx(first.plan.objective)
+  # Other costs are another key.
+  jd.parallelize(step, method=jd.ShardParallel(devices=_mesh((2, 4), UNIT))).get_executable(
+      state, data)
+  assert len(solves) == 2

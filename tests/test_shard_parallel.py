@@ -272,7 +272,8 @@ def test_identical_blocks_share_one_solution(monkeypatch):
     batch = models.token_batch(16, config)
     state = models.create_state(models.GPT(config), batch["tokens"][:, :-1], tx=optax.adam(1e-3))
     exe = jd.parallelize(models.lm_step(), method=jd.ShardParallel(
-        logical_mesh_shape=(2, 4))).get_executable(state, batch)
+        logical_mesh_shape=(2, 4), auto_sharding_option=jd.AutoShardingOption(
+            plan_cache=False))).get_executable(state, batch)
     per_leaf = {}
     for e in exe.plan.inputs:
       if "['block_" in e.path:  # the same leaf of every block: one spec

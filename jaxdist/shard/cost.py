@@ -19,9 +19,10 @@ which kinds combine on the backend, and the planner charges one α per combined 
 (``jaxdist.shard.combine``). The β part stays per collective (bytes add up either way).
 
 Compute is ``flops / num_shards / peak_flops`` for dots and convolutions, and every
-equation also pays ``output bytes per device / memory_bandwidth`` (elementwise work is
-memory-bound): a replicated computation pays its full size on every device, which is what
-makes splitting attractive beyond the dots.
+equation that XLA does not fuse into its consumers (``graph._fused_into_consumers``) also
+pays ``output bytes per device / memory_bandwidth`` (elementwise work is memory-bound): a
+replicated computation pays its full size on every device, which is what makes splitting
+attractive beyond the dots.
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ from jaxdist.shard import combine
 from jaxdist.jaxpr_util import MARKERS
 from jaxdist.shard.cost import CostModel
 from jaxdist.shard.specs import DimAxes, num_shards, replicated
-from jaxdist.shard.strategies import Follow, Strategy, input_strategies, nbytes, rule_for
+from jaxdist.shard.strategies import (ELEMENTWISE, Follow, Strategy, input_strategies, nbytes,
+                                      rule_for)
 
 # Tie-breaking penalty for keeping an input leaf replicated, as a fraction of a 1-byte
 # all-reduce over the whole mesh (Alpa's choice of unit), so it scales with α and β.
@@ -209,6 +210,7 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
     flows.append(Flow(producer[v_out][0], producer[v_out][1], dst_id, required, nbytes(v_out),
                       tied=True))
 
+  fused = _fused_into_consumers(nodes, flows, jaxpr.outvars)
   group_costs = [np.zeros(n) for n in group_sizes]
   edge_costs: dict[tuple[int, int], np.ndarray] = {}
   members = combine.Members(cost_model)
@@ -218,6 +220,8 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
       for c in s.collectives:
         members.add(c, phase[k], ("x", node.group, t))
     if node.eqn is None:
+      continue
+    if fused[k]:
       continue
     out_bytes = [nbytes(v) for v in node.eqn.outvars]
     for t, s in enumerate(node.strategies):
@@ -229,6 +233,24 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
               combine.TAIL if flow.tied else combine.before(phase, nodes, flow.dst), cache)
   return StrategyGraph(nodes, group_sizes, group_costs, edge_costs, producer, tuple(unknown),
                        flows, members.terms(), phase)
+
+
+def _fused_into_consumers(nodes, flows, outvars) -> list[bool]:
+  """Per node, whether XLA's loop fusion keeps its outputs out of memory: an elementwise
+  equation whose every consumer is elementwise too and that is no output of the step
+  (an optimizer update's chain of a dozen elementwise ops writes only its results)."""
+  elementwise = [n.eqn is not None and (n.eqn.primitive.name in ELEMENTWISE
+                                        or n.eqn.primitive.name == "broadcast_in_dim")
+                 for n in nodes]
+  fused = list(elementwise)
+  for flow in flows:
+    if not elementwise[flow.dst]:
+      fused[flow.src] = False
+  outputs = {id(v) for v in outvars}
+  for k, node in enumerate(nodes):
+    if fused[k] and any(id(v) in outputs for v in node.eqn.outvars):
+      fused[k] = False
+  return fused
 
 
 def _has_producer(v, producer) -> bool:

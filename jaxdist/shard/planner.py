@@ -10,8 +10,10 @@ ILP small; the estimate is the planner's, the compiled figure is XLA's.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import re
+import time
 
 import jax.extend.core as jex
 import numpy as np
@@ -22,7 +24,7 @@ from jaxdist import jaxpr_util
 from jaxdist import methods as m
 from jaxdist.layouts import Layout, check_batch_divisible, uses_marker
 from jaxdist.mesh import LogicalMesh
-from jaxdist.shard import combine
+from jaxdist.shard import cache, combine
 from jaxdist.shard.cost import CostModel, combining_for
 from jaxdist.shard.graph import StrategyGraph, build_graph
 from jaxdist.shard.repeats import tie_groups
@@ -33,6 +35,7 @@ from jaxdist.shard.strategies import nbytes
 from jaxdist.trace import BATCH, OPTIMIZER, PARAM, TracedStep, inline_keeping_marker
 
 MEMORY_CHECK_POINTS = 8
+log = logging.getLogger("jaxdist.plan")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,8 +301,24 @@ def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
   if opt.memory_budget_per_device is not None:
     memory = memory_constraint(jaxpr, graph, step, lmesh)
   ties = tie_groups(jaxpr, graph) if opt.share_repeated_layers else None
-  solution = solve_ilp(graph, memory, opt.memory_budget_per_device, opt.solver_time_limit_s,
-                       ties)
+  digest = cache.key(str(step.closed_jaxpr), [(l.shape, str(l.dtype), l.role) for l in step.inputs],
+                     lmesh.shape, lmesh.axis_names, lmesh.alpha, lmesh.beta, lmesh.peak_flops,
+                     lmesh.devices[0].platform, getattr(lmesh.devices[0], "device_kind", ""),
+                     opt, pinned, num_micro_batches, tied)
+  solution = cache.load(digest, len(graph.group_sizes)) if opt.plan_cache else None
+  if solution is None:
+    free = sum(1 for n in graph.group_sizes if n > 1)
+    log.info("solving mesh %s %s: %d equations, %d choice groups (%d after tying repeats)",
+             lmesh.shape, lmesh.axis_names, len(jaxpr.eqns), free,
+             free if ties is None else len({ties[g] for g, n in enumerate(graph.group_sizes)
+                                            if n > 1}))
+    start = time.perf_counter()
+    solution = solve_ilp(graph, memory, opt.memory_budget_per_device, opt.solver_time_limit_s,
+                         ties)
+    log.info("mesh %s solved in %.2f s: %.4g ms predicted (%s)", lmesh.shape,
+             time.perf_counter() - start, solution.objective * 1e3, solution.status)
+    if opt.plan_cache and solution.status != "time_limit":
+      cache.store(digest, solution)
   input_specs = tuple(graph.spec_of(v, solution.choice) for v in jaxpr.invars)
   return MeshPlan(lmesh, graph, solution, input_specs, cost_model)
 
