@@ -64,6 +64,14 @@ class Block(nn.Module):
     return x + nn.Dense(c.width)(h)
 
 
+def embed(module: nn.Module, c: GPTConfig, tokens):
+  """Token + learned position embedding, created in ``module``'s compact scope (as
+  ``Embed_0`` and ``pos_embedding``)."""
+  x = nn.Embed(c.vocab, c.width)(tokens)
+  pos = module.param("pos_embedding", nn.initializers.normal(0.02), (c.seq_len, c.width))
+  return x + pos[: tokens.shape[1]]
+
+
 class GPT(nn.Module):
   """A decoder-only language model: token + position embedding, blocks, LM head."""
 
@@ -72,9 +80,7 @@ class GPT(nn.Module):
   @nn.compact
   def __call__(self, tokens):
     c = self.config
-    x = nn.Embed(c.vocab, c.width)(tokens)
-    pos = self.param("pos_embedding", nn.initializers.normal(0.02), (c.seq_len, c.width))
-    x = x + pos[: tokens.shape[1]]
+    x = embed(self, c, tokens)
     for i in range(c.depth):
       if c.mark_boundaries:
         mark_pipeline_boundary()
@@ -108,9 +114,7 @@ class BERT(nn.Module):
   @nn.compact
   def __call__(self, tokens):
     c = self.config
-    x = nn.Embed(c.vocab, c.width)(tokens)
-    pos = self.param("pos_embedding", nn.initializers.normal(0.02), (c.seq_len, c.width))
-    x = nn.LayerNorm()(x + pos[: tokens.shape[1]])
+    x = nn.LayerNorm()(embed(self, c, tokens))
     for i in range(c.depth):
       x = EncoderBlock(c, name=f"block_{i}")(x)
     return nn.Dense(c.vocab)(x)
@@ -174,9 +178,7 @@ class MoELM(nn.Module):
   @nn.compact
   def __call__(self, tokens):
     c = self.config
-    x = nn.Embed(c.vocab, c.width)(tokens)
-    pos = self.param("pos_embedding", nn.initializers.normal(0.02), (c.seq_len, c.width))
-    x = x + pos[: tokens.shape[1]]
+    x = embed(self, c, tokens)
     for i in range(c.depth):
       x = MoEBlock(c, self.num_experts, name=f"block_{i}")(x)
     return nn.Dense(c.vocab)(nn.LayerNorm()(x))
