@@ -150,3 +150,21 @@ def test_a_second_plan_of_the_same_step_comes_from_the_disk_cache(tmp_path, monk
   jd.parallelize(step, method=jd.ShardParallel(devices=_mesh((2, 4), UNIT))).get_executable(
       state, data)
   assert len(solves) == 2
+
+
+def test_an_op_without_a_rule_is_named_in_the_notes():
+  def step(w, batch):
+    def loss_fn(w):
+      h = batch["x"] @ w
+      top, _ = jax.lax.top_k(h, 2)  # no sharding rule: planned replicated
+      return top.mean()
+    loss, g = jax.value_and_grad(loss_fn)(w)
+    return w - 0.1 * g, loss
+
+  w = jax.random.normal(jax.random.key(0), (16, 32))
+  batch = {"x": jax.random.normal(jax.random.key(1), (64, 16))}
+  f = jd.parallelize(step, method=jd.ShardParallel(logical_mesh_shape=(2, 4)))
+  with pytest.warns(errors.JaxdistWarning, match="top_k"):
+    exe = f.get_executable(w, batch)
+  assert any("lack of a sharding rule" in n and "top_k" in n for n in exe.plan.notes)
+  assert_trees_close(f(w, batch), jax.jit(step)(w, batch), rtol=1e-5, atol=1e-6)

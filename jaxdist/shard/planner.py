@@ -165,6 +165,14 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep,
   predicted = combine.predict(best.graph, best.solution.choice, best.cost_model)
   notes = [f"mesh {_describe(p)}" for p in plans]
   notes += [f"mesh {'x'.join(map(str, shape))} infeasible: {e}" for shape, e in infeasible]
+  unknown = {}
+  for node in best.graph.nodes:
+    if node.eqn is not None and "no rule" in node.strategies[0].name:
+      unknown[node.eqn.primitive.name] = unknown.get(node.eqn.primitive.name, 0) + 1
+  if unknown:
+    notes.append("planned replicated for lack of a sharding rule (XLA places them, so the "
+                 "collectives around them may differ from the prediction): "
+                 + ", ".join(f"{n} x {name}" for name, n in sorted(unknown.items())))
   notes.append(f"chosen: {'x'.join(map(str, best.lmesh.shape))}, "
                + (f"{why} (no shape search)" if why else
                   f"the lowest predicted step time of {len(shapes)} shapes searched"))
