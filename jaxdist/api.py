@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +14,7 @@ from jax import tree_util
 from jaxdist import errors
 from jaxdist import jaxpr_util
 from jaxdist import methods as m
-from jaxdist.executable import Executable, compile_layout, make_plan
+from jaxdist.executable import Executable, allocation_bytes, compile_layout, make_plan
 from jaxdist.layouts import data_parallel_layout
 from jaxdist.mesh import LogicalMesh
 from jaxdist.pipeline import capture
@@ -21,6 +22,11 @@ from jaxdist.pipeline.runtime import PipelineExecutable
 from jaxdist.recompute import RecomputeRequest, recomputing
 from jaxdist.shard.planner import plan_shard_parallel
 from jaxdist.trace import is_array, leaf_signature, trace_step, with_micro_batch_trace
+
+
+# How often ShardParallel plans again, with a tighter budget, when the compiled step
+# exceeds memory_budget_per_device.
+BUDGET_RETRIES = 2
 
 
 def parallelize(fun: Callable | None = None, *, method: m.Method | None = None,
@@ -147,7 +153,6 @@ class ParallelizedFunc:
     lmesh = self._mesh()
     request = (None if self.method.recompute_modules is None else
                RecomputeRequest.parse(self.method.recompute_modules, self.method.name))
-    shard_plan = None
     dyn_argnums = tuple(i for i in range(len(args)) if i not in static)
     if isinstance(self.method, m.PipeshardParallel):
       with recomputing(request), capture.capturing():
@@ -166,30 +171,65 @@ class ParallelizedFunc:
 
       return PipelineExecutable(self.method, step, lmesh, dyn_argnums, retrace)
     with recomputing(request):
-      step = trace_step(self.fun, args, static, self.batch_argnums, self.donate_argnums)
+      traced = trace_step(self.fun, args, static, self.batch_argnums, self.donate_argnums)
       if request is not None:
-        if step.marker_index is None:
+        if traced.marker_index is None:
           raise errors.GradientMarkerError(
               f"{self.method.name}(recompute_modules={self.method.recompute_modules!r}) is "
               f"applied by jaxdist.grad / jaxdist.value_and_grad, and the step does not use "
               f"them (exactly once, at its top level). Use jaxdist.value_and_grad (same "
               f"signature).")
         request.check_all_matched(self.method.name)
-      if isinstance(self.method, m.ShardParallel):
-        shard_plan = plan_shard_parallel(self.method, step, lmesh)
-        step, layout = shard_plan.step, shard_plan.layout
-      else:
-        layout = data_parallel_layout(self.method, step, lmesh)
-      if layout.grad_reduce_specs is not None:
-        divisor = layout.num_micro_batches * math.prod(
-            layout.logical_mesh.axis_size(a) for a in layout.batch_axes)
-        if divisor > 1:
-          # The shard plan's equations are those of the call-inlined trace.
-          inline = jaxpr_util.PLAN_CALLS if shard_plan is not None else ()
-          step = with_micro_batch_trace(self.fun, args, static, step, divisor, inline)
-    compiled = compile_layout(step, layout)
+      method = self.method
+      budget = (method.options.memory_budget_per_device
+                if isinstance(method, m.ShardParallel) else None)
+      for attempt in range(BUDGET_RETRIES + 1):
+        try:
+          result = self._plan_and_compile(method, traced, args, static, lmesh)
+        except errors.InfeasiblePlanError:
+          if attempt == 0:
+            raise
+          attempt -= 1  # no plan meets the tighter budget: keep the last one
+          break
+        step, compiled, layout, shard_plan = result
+        used = allocation_bytes(compiled)
+        if budget is None or used <= budget or attempt == BUDGET_RETRIES:
+          break
+        # The planner's memory model is an estimate; XLA's figure is the one to meet. Plan
+        # again with the budget scaled down by the overshoot.
+        tighter = method.options.memory_budget_per_device * budget / used * 0.99
+        method = dataclasses.replace(method, auto_sharding_option=dataclasses.replace(
+            method.options, memory_budget_per_device=tighter))
     plan = make_plan(self.method.name, step, layout, shard_plan)
+    if budget is not None:
+      note = (f"memory_budget_per_device={budget:.0f}: compiled {used:.0f} bytes per device"
+              + (f" after {attempt} re-plan(s) with a tighter budget" if attempt else ""))
+      if used > budget:
+        warnings.warn(f"ShardParallel: the compiled step needs {used:.0f} bytes per device, over "
+                      f"memory_budget_per_device={budget:.0f} after {attempt} re-plans; the "
+                      f"planner's memory estimate is below XLA's here.", errors.JaxdistWarning,
+                      stacklevel=3)
+      plan = dataclasses.replace(plan, notes=plan.notes + (note,))
     return Executable(step, layout, compiled, plan, dyn_argnums)
+
+  def _plan_and_compile(self, method, step, args, static, lmesh):
+    """Plans ``step`` with ``method`` (a fixed layout or the shard planner), traces it again
+    at the micro-batch size where the layout needs it (inside the caller's recomputation
+    context), and compiles it."""
+    shard_plan = None
+    if isinstance(method, m.ShardParallel):
+      shard_plan = plan_shard_parallel(method, step, lmesh)
+      step, layout = shard_plan.step, shard_plan.layout
+    else:
+      layout = data_parallel_layout(method, step, lmesh)
+    if layout.grad_reduce_specs is not None:
+      divisor = layout.num_micro_batches * math.prod(
+          layout.logical_mesh.axis_size(a) for a in layout.batch_axes)
+      if divisor > 1:
+        # The shard plan's equations are those of the call-inlined trace.
+        inline = jaxpr_util.PLAN_CALLS if shard_plan is not None else ()
+        step = with_micro_batch_trace(self.fun, args, static, step, divisor, inline)
+    return step, compile_layout(step, layout), layout, shard_plan
 
   def _mesh(self) -> LogicalMesh:
     if self._logical_mesh is None:

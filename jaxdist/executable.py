@@ -109,9 +109,7 @@ class Executable:
     The CPU compiler's ``peak_memory_in_bytes`` leaves temporaries out, so the sum is
     formed here from the compiler's own components.
     """
-    m = self._compiled.memory_analysis()
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-               + m.temp_size_in_bytes)
+    return allocation_bytes(self._compiled)
 
   def check_communication(self, tolerance: float = 0.10) -> list[str]:
     """Compares the plan's predicted collectives with what XLA compiled.
@@ -139,6 +137,13 @@ class Executable:
     if self._communication is None:
       self._communication = hlo_inspect.collective_summary(self.get_hlo_text())
     return self._communication
+
+
+def allocation_bytes(compiled) -> int:
+  """Arguments + outputs − aliased (donated) + temporaries of a compiled program, per device."""
+  m = compiled.memory_analysis()
+  return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+             + m.temp_size_in_bytes)
 
 
 def _apart(a: float, b: float, tolerance: float) -> bool:

@@ -175,7 +175,9 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
     if isinstance(rule, Follow):
       src_node, src_pos = producer[eqn.invars[rule.operand]]
       src = nodes[src_node]
-      strategies = [rule.mapper(s.out_specs[src_pos]) for s in src.strategies]
+      mapped = {}  # a group's strategies repeat specs (a 2-D mesh: many dot roles, few specs)
+      strategies = [mapped.get(spec) or mapped.setdefault(spec, rule.mapper(spec))
+                    for spec in (s.out_specs[src_pos] for s in src.strategies)]
       nodes.append(Node(eqn.primitive.name, src.group, strategies, eqn))
       node_id = len(nodes) - 1
     else:
