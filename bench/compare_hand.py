@@ -109,6 +109,7 @@ def main():
         exe = jd.parallelize(models.lm_step(), method=method).get_executable(state, batch)
         rows.append((name, projected_seconds(exe, regime), exe.get_total_allocation_size(),
                      exe.plan.mesh_shape))
+      checks = exe.check_communication()  # the ILP's, planned last
       dp_bytes = dp_bytes or rows[0][2]
       fits = lambda r: budget is None or r[2] <= budget
       print(f"\n{regime_name}; {budget_name}" + (f" ({budget / 1e6:.1f} MB/device)" if budget else ""))
@@ -122,6 +123,8 @@ def main():
       ratio = ilp[1] / best[1]
       good = fits(ilp) and round(ratio, 3) <= 1.0  # equal to the 3 decimals printed counts
       ok &= good
+      differs = [line for line in checks if "DIFFERS" in line]
+      print(f"ILP predicted vs compiled collectives: {'; '.join(differs) or 'all within 10%'}")
       print(f"ILP / best fitting hand plan ({best[0]}): {ratio:.3f}; ILP fits: "
             f"{'yes' if fits(ilp) else 'no'}  (goal: fits and <= 1.00: {common.verdict(good)})")
   return ok
