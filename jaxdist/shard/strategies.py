@@ -126,7 +126,14 @@ def rule_for(eqn, cost_model: CostModel, produced: Callable,
   if name in ELEMENTWISE or _is_elementwise_call(eqn):
     return _elementwise(eqn, produced, freedom)
   if name == "dot_general":
-    return _dot_general(eqn, cost_model)
+    # A transformer's blocks repeat the same dots: their strategies are built once.
+    key = (_shape(eqn.invars[0]), _shape(eqn.invars[1]), eqn.params["dimension_numbers"],
+           _nbytes(eqn.outvars[0]), len(_shape(eqn.outvars[0])), cost_model)
+    if key not in _DOT_CACHE:
+      if len(_DOT_CACHE) > 4096:
+        _DOT_CACHE.clear()
+      _DOT_CACHE[key] = _dot_general(eqn, cost_model)
+    return _DOT_CACHE[key]
   if name in REDUCTIONS:
     return _reduction(eqn, cost_model)
   if name == "broadcast_in_dim":
@@ -318,6 +325,9 @@ def _touching(eqn, sizes) -> Follow:
     return Strategy(name, outs, ins)
 
   return Follow(0, mapper)
+
+
+_DOT_CACHE: dict = {}
 
 
 def _dot_general(eqn, cost_model: CostModel) -> list[Strategy]:
