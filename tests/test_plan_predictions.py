@@ -7,6 +7,8 @@ node), "two-level" (a 2x4 mesh whose first axis is InfiniBand: α 20 µs, 25 GB/
 LogicalMesh default.
 """
 
+import json
+
 import jax
 import numpy as np
 import optax
@@ -191,3 +193,13 @@ def test_a_budget_the_compiled_step_exceeds_is_planned_again(monkeypatch):
   assert len(seen) >= 2 and seen[0] * 2 > budget, seen  # the doubled first figure was over
   assert exe.get_total_allocation_size() <= budget
   assert "after 1 re-plan(s)" in exe.plan.notes[-1], exe.plan.notes
+
+
+def test_jaxdist_plan_command_prints_predicted_and_compiled(capsys):
+  from jaxdist import cli
+  code = cli.main(["plan", "--model", "mlp", "--mesh", "2x4", "--alpha", "2e-5,1e-5",
+                   "--beta", "4e-11,2.2e-12", "--json"])
+  result = json.loads(capsys.readouterr().out)
+  assert code == 0 and result["mesh_shape"] == [2, 4] and result["alpha"] == [2e-5, 1e-5]
+  assert {k: v["count"] for k, v in result["predicted"].items()} == {
+      k: v["count"] for k, v in result["compiled"].items()}
