@@ -32,6 +32,7 @@ import math
 import warnings
 
 import jax
+import jax.extend.core as jex
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
@@ -144,7 +145,8 @@ def local_constraints(step: TracedStep, split: GradSplit, eqn_constraints: dict,
 def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro_batches: int,
                   reduce_specs: tuple[PartitionSpec | None, ...],
                   eqn_constraints: dict | None = None,
-                  operand_constraints: dict | None = None):
+                  operand_constraints: dict | None = None,
+                  stream_inputs: dict | None = None):
   """The step as a function of flat input leaves, gradients accumulated and reduced once.
 
   Args:
@@ -159,6 +161,8 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
     eqn_constraints: the shard plan's constraints (equation index → specs), or None.
     operand_constraints: the plan's reshardings (equation index → per operand spec or
       None), or None.
+    stream_inputs: input position → sharded spec of parameters that enter sharded and
+      are gathered before each equation reading them (ZeRO-3), or None.
   """
   split = split_at_marker(step)
   closed = step.closed_jaxpr
@@ -182,6 +186,11 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
     inside = local_constraints(step, split, operand_constraints, batch_axes, dict(mesh.shape),
                                operands=True)
     grad_before = jaxpr_util.operand_hook(inner_mesh, inside)
+
+  if stream_inputs and axes is not None:
+    grad_before, grad_after = streaming_hooks(
+        grad_jaxpr, {grad_jaxpr.invars[i]: spec for i, spec in stream_inputs.items()},
+        axes, grad_before, grad_after)
 
   def grads_one(values):
     env = dict(zip(grad_jaxpr.constvars, split.grad_jaxpr.consts))
@@ -215,7 +224,10 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
         reduced.append(jax.lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True))
     return tuple(reduced)
 
-  in_specs = tuple(PartitionSpec(axes) if b else PartitionSpec() for b in is_batch)
+  streamed = stream_inputs if axes is not None else None
+  in_specs = tuple(PartitionSpec(axes) if b else
+                   (streamed or {}).get(i, PartitionSpec())
+                   for i, b in zip(split.grad_inputs, is_batch))
   out_specs = tuple(PartitionSpec() if s is None else s for s in reduce_specs)
   # check_vma=False: the re-bound equations mix per-device and replicated operands
   # without the casts jnp code would insert; every output is reduced explicitly above.
@@ -233,3 +245,41 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
     return [jaxpr_util.read(env, v) for v in jaxpr.outvars]
 
   return run
+
+
+def streaming_hooks(jaxpr, streamed: dict, axes, before=None, after=None):
+  """``before`` / ``after`` hooks for :func:`jaxpr_util.eval_eqns` inside the gradient
+  ``shard_map`` that all-gather each streamed parameter (var → its sharded spec) anew
+  before every equation reading it.
+
+  Each gather is tied to the value computed just before its equation (``p + 0 · one
+  element``, which XLA does not fold for floats), so XLA can neither merge the gathers
+  of the forward and the backward nor hoist them to the start: a gathered copy lives
+  from that point to its reader. The given hooks run too (before first, after last).
+  """
+  dims = {v: next(d for d, e in enumerate(spec) if e is not None) for v, spec in streamed.items()}
+  last = [None]
+
+  def gather_before(i, invals):
+    if before is not None:
+      invals = before(i, invals)
+    eqn = jaxpr.eqns[i]
+    out = list(invals)
+    for k, v in enumerate(eqn.invars):
+      if not isinstance(v, jex.Literal) and v in dims:
+        x = out[k]
+        if last[0] is not None and jnp.issubdtype(x.dtype, jnp.inexact):
+          x = x + (last[0].reshape(-1)[0] * 0).astype(x.dtype)
+        out[k] = jax.lax.all_gather(x, axes, axis=dims[v], tiled=True)
+    return out
+
+  def record_after(i, outs):
+    if after is not None:
+      outs = after(i, outs)
+    floats = [o for o in outs if hasattr(o, "dtype") and jnp.issubdtype(o.dtype, jnp.inexact)
+              and o.size]
+    if floats:
+      last[0] = floats[0]
+    return outs
+
+  return gather_before, record_after

@@ -173,7 +173,7 @@ def compile_layout(step: TracedStep, layout: Layout):
   if layout.grad_reduce_specs is not None:
     flat_fun = split_step_fn(step, mesh, layout.batch_axes, layout.num_micro_batches,
                              layout.grad_reduce_specs, layout.eqn_constraints,
-                             layout.operand_constraints)
+                             layout.operand_constraints, layout.stream_inputs)
   elif layout.eqn_constraints or layout.operand_constraints:
     flat_fun = constrained_fn(step.closed_jaxpr, mesh, layout.eqn_constraints or {},
                               layout.operand_constraints or {})

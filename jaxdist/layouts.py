@@ -45,6 +45,10 @@ class Layout:
     operand_constraints: equation index → per operand, the spec it is resharded to
       before the equation runs, or None (where the plan reshards a value between its
       producer and this consumer; so XLA does the resharding the plan priced).
+    stream_inputs: input position → its sharded spec, for ZeRO-3's parameters: they enter
+      the gradient computation sharded and are all-gathered anew before each equation
+      that reads them (``jaxdist.accumulate``), so a gathered copy lives only around its
+      use, as in FSDP.
   """
 
   logical_mesh: LogicalMesh
@@ -57,6 +61,7 @@ class Layout:
   grad_reduce_specs: tuple[PartitionSpec | None, ...] | None = None
   eqn_constraints: dict[int, tuple[PartitionSpec, ...]] | None = None
   operand_constraints: dict[int, tuple[PartitionSpec | None, ...]] | None = None
+  stream_inputs: dict[int, PartitionSpec] | None = None
 
 
 def batch_spec(lmesh: LogicalMesh) -> PartitionSpec:
@@ -177,6 +182,10 @@ def data_parallel_layout(method: m.Method, step: TracedStep, lmesh: LogicalMesh)
     grad_reduce_specs = tuple(
         shard_largest_dim(v.aval.shape, lmesh) if kind == GRAD and sharded_roles else None
         for kind, v in zip(marker.params["kinds"], marker.invars))
+  stream = None
+  if isinstance(method, m.Zero3Parallel) and grad_reduce_specs is not None:
+    stream = {k: spec for k, (leaf, spec) in enumerate(zip(step.inputs, in_specs))
+              if leaf.role == PARAM and spec != REPLICATED}
   return Layout(lmesh, tuple(in_specs), tuple(out_specs), tuple(out_constraints), tuple(notes),
                 num_micro_batches=micro_batches, batch_axes=lmesh.axis_names,
-                grad_reduce_specs=grad_reduce_specs)
+                grad_reduce_specs=grad_reduce_specs, stream_inputs=stream or None)

@@ -101,6 +101,23 @@ def test_zero_layouts_and_memory_order():
   assert sizes["Zero3Parallel"] < sizes["Zero2Parallel"] < sizes["DataParallel"]
 
 
+def test_zero3_streams_parameters_through_the_step():
+  """With jaxdist.value_and_grad each sharded parameter is gathered anew before each
+  equation reading it (forward and backward), so no whole gathered copy of the
+  parameters lives at once."""
+  batch = models.regression_batch(64, 256)
+  state = models.create_state(models.MLP(hidden=256, num_layers=6), batch["x"],
+                              tx=optax.sgd(0.1, momentum=0.9))
+  step = models.regression_step(jd.value_and_grad)
+  f = jd.parallelize(step, method=jd.Zero3Parallel(), donate_argnums=())
+  exe = f.get_executable(state, batch)
+  param_bytes = sum(x.nbytes for x in jax.tree.leaves(state.params))
+  kernels = 7
+  assert exe.communication()["all-gather"].count >= 2 * kernels  # forward and backward
+  assert exe.memory_analysis().temp_size_in_bytes < 0.5 * param_bytes
+  assert_trees_close(f(state, batch), serial(step, state, batch), rtol=1e-5, atol=1e-6)
+
+
 def test_data_parallel_communicates_one_gradient_all_reduce():
   state, batch = _mlp_setup()
   exe = jd.parallelize(models.regression_step(), method=jd.DataParallel()).get_executable(
