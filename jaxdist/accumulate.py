@@ -187,12 +187,14 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
                                operands=True)
     grad_before = jaxpr_util.operand_hook(inner_mesh, inside)
 
+  restart = lambda: None
   if stream_inputs and axes is not None:
-    grad_before, grad_after = streaming_hooks(
+    grad_before, grad_after, restart = streaming_hooks(
         grad_jaxpr, {grad_jaxpr.invars[i]: spec for i, spec in stream_inputs.items()},
         axes, grad_before, grad_after)
 
   def grads_one(values):
+    restart()
     env = dict(zip(grad_jaxpr.constvars, split.grad_jaxpr.consts))
     env.update((grad_jaxpr.invars[i], x) for i, x in zip(split.grad_inputs, values))
     jaxpr_util.eval_eqns(grad_jaxpr, env, split.grad_eqns, after=grad_after, before=grad_before)
@@ -256,6 +258,8 @@ def streaming_hooks(jaxpr, streamed: dict, axes, before=None, after=None):
   element``, which XLA does not fold for floats), so XLA can neither merge the gathers
   of the forward and the backward nor hoist them to the start: a gathered copy lives
   from that point to its reader. The given hooks run too (before first, after last).
+  Returns (before, after, restart): call ``restart()`` before each evaluation (the tie
+  must come from the evaluation being traced).
   """
   dims = {v: next(d for d, e in enumerate(spec) if e is not None) for v, spec in streamed.items()}
   last = [None]
@@ -282,4 +286,7 @@ def streaming_hooks(jaxpr, streamed: dict, axes, before=None, after=None):
       last[0] = floats[0]
     return outs
 
-  return gather_before, record_after
+  def restart():
+    last[0] = None
+
+  return gather_before, record_after, restart
