@@ -31,7 +31,6 @@ DEVICE_COSTS = {
     "gpu": (10e-6, 1 / 100e9, 1e14),
     "tpu": (5e-6, 1 / 100e9, 1e14),
 }
-DEFAULT_ALPHA_S, DEFAULT_BETA_S_PER_BYTE, DEFAULT_PEAK_FLOPS = DEVICE_COSTS["cpu"]
 
 
 def device_costs(device) -> tuple[float, float, float]:

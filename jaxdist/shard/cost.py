@@ -173,7 +173,3 @@ class CostModel:
     if kind in self.combining.kinds and seconds < DISALLOWED_S:
       seconds -= self.latency(axes)
     return seconds
-
-  def reshard(self, src: DimAxes, dst: DimAxes, full_bytes: float) -> float:
-    """Seconds to move a tensor from ``src`` to ``dst`` (see :meth:`reshard_collectives`)."""
-    return sum(self.collective(*c) for c in self.reshard_collectives(src, dst, full_bytes))

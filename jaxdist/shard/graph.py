@@ -76,7 +76,6 @@ class StrategyGraph:
     flows: every data flow (:class:`Flow`).
     combine: the collectives XLA may combine, for one α per combined group
       (:class:`jaxdist.shard.combine.Terms`).
-    phase: per node, its combining phase (``combine.phases``).
   """
 
   nodes: list[Node]
@@ -87,7 +86,6 @@ class StrategyGraph:
   unknown_primitives: tuple[str, ...]
   flows: list = dataclasses.field(default_factory=list)
   combine: object = None
-  phase: tuple = ()
 
   def collectives(self, choice, cost_model: CostModel) -> list[tuple[int, tuple[str, tuple, float]]]:
     """Every collective the plan ``choice`` has before XLA combines any, as (node, (kind,
@@ -234,7 +232,7 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
     _add_edge(group_costs, edge_costs, cost_model, members, nodes, flow,
               combine.TAIL if flow.tied else combine.before(phase, nodes, flow.dst), cache)
   return StrategyGraph(nodes, group_sizes, group_costs, edge_costs, producer, tuple(unknown),
-                       flows, members.terms(), phase)
+                       flows, members.terms())
 
 
 def _fused_into_consumers(nodes, flows, outvars) -> list[bool]:

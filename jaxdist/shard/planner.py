@@ -162,8 +162,9 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep,
   if not plans:
     raise infeasible[0][1]
   best = min(plans, key=lambda p: p.solution.objective)
-  predicted = combine.predict(best.graph, best.solution.choice, best.cost_model)
-  notes = [f"mesh {_describe(p)}" for p in plans]
+  predictions = [combine.predict(p.graph, p.solution.choice, p.cost_model) for p in plans]
+  predicted = predictions[plans.index(best)]
+  notes = [f"mesh {_describe(p, pred)}" for p, pred in zip(plans, predictions)]
   notes += [f"mesh {'x'.join(map(str, shape))} infeasible: {e}" for shape, e in infeasible]
   unknown = {}
   for node in best.graph.nodes:
@@ -189,9 +190,8 @@ def communication_seconds(plan: MeshPlan) -> float:
   return seconds + (graph.combine.charge(choice) if graph.combine is not None else 0.0)
 
 
-def _describe(plan: MeshPlan) -> str:
+def _describe(plan: MeshPlan, predicted: dict) -> str:
   """``2x4 ('a', 'b'): 0.41 ms predicted, 0.12 ms of it communication (2 all-reduce)``."""
-  predicted = combine.predict(plan.graph, plan.solution.choice, plan.cost_model)
   ops = ", ".join(f"{int(c['count'])} {kind}" for kind, c in sorted(predicted.items())) or "none"
   return (f"{'x'.join(map(str, plan.lmesh.shape))} {plan.lmesh.axis_names}: "
           f"{plan.solution.objective * 1e3:.4g} ms predicted, "

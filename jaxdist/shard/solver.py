@@ -272,7 +272,7 @@ def _combined_alpha(graph, terms, x, e, offset, e_offset, constraints):
   constraints.append(a >= fixed)
   # a_k >= the sum of its members' variables within one group (or one edge): at most one
   # of them is 1, and the sum makes the LP relaxation much tighter than one row each.
-  rows, cols, vals, n_rows, term_of_row = [], [], [], 0, []
+  rows, cols, n_rows, term_of_row = [], [], 0, []
   for members, base in ((on_x, 0), (on_e, x.shape[0])):
     bucket = {}
     for k, i, _, block in members:
@@ -287,18 +287,14 @@ def _combined_alpha(graph, terms, x, e, offset, e_offset, constraints):
                         shape=(n_rows, len(terms)))
     rhs = sp.csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(n_rows, width))
     constraints.append(lhs @ a >= rhs @ stacked)
-    limits = []
-    for members, base in ((on_x, 0), (on_e, x.shape[0])):
-      for k, i, b, _ in members:
-        limits.append((k, base + i, b))
-    scales = [(lambda b: 1.0 / graph.combine.threshold_count)]
+    # a_k >= its members' number over the operand limit (and bytes over the byte limit).
+    members = [(k, i, b) for k, i, b, _ in on_x] + [(k, x.shape[0] + i, b) for k, i, b, _ in on_e]
+    index = ([k for k, _, _ in members], [i for _, i, _ in members])
+    weights = [np.full(len(members), 1.0 / graph.combine.threshold_count)]
     if np.isfinite(graph.combine.threshold_bytes):
-      scales.append(lambda b: b / graph.combine.threshold_bytes)
-    for scale in scales:
-      agg = sp.csr_matrix(([scale(b) for _, _, b in limits],
-                           ([k for k, _, _ in limits], [i for _, i, _ in limits])),
-                          shape=(len(terms), width))
-      constraints.append(a >= agg @ stacked)
+      weights.append(np.array([b for _, _, b in members]) / graph.combine.threshold_bytes)
+    for w in weights:
+      constraints.append(a >= sp.csr_matrix((w, index), shape=(len(terms), width)) @ stacked)
   return np.array([term.alpha for term in terms]) @ a
 
 
