@@ -22,6 +22,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxdist import errors
 from jaxdist import jaxpr_util
 from jaxdist import methods as m
+from jaxdist import progress
 from jaxdist.layouts import Layout, check_batch_divisible, uses_marker
 from jaxdist.mesh import LogicalMesh
 from jaxdist.shard import cache, combine
@@ -150,15 +151,20 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep,
   if k > 1:
     uses_marker(method, step)  # raises unless there is one top-level marker
   plans, objectives, infeasible = [], {}, []
-  for shape in shapes:
-    lmesh = mesh_for(shape, base, method.plan.axis_names if method.plan is not None else None)
-    try:
-      plan = _plan_one(step, lmesh, opt, pinned, k)
-    except errors.InfeasiblePlanError as e:
-      infeasible.append((shape, e))
-      continue
-    plans.append(plan)
-    objectives["x".join(map(str, shape))] = plan.solution.objective
+  with progress.bar(len(shapes), "ShardParallel: planning") as shown:
+    for shape in shapes:
+      name = "x".join(map(str, shape))
+      shown.describe(f"ShardParallel: solving mesh {name}")
+      lmesh = mesh_for(shape, base, method.plan.axis_names if method.plan is not None else None)
+      try:
+        plan = _plan_one(step, lmesh, opt, pinned, k)
+      except errors.InfeasiblePlanError as e:
+        infeasible.append((shape, e))
+        continue
+      finally:
+        shown.advance()
+      plans.append(plan)
+      objectives[name] = plan.solution.objective
   if not plans:
     raise infeasible[0][1]
   best = min(plans, key=lambda p: p.solution.objective)
