@@ -176,11 +176,20 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
   is_batch = [step.inputs[i].role == BATCH for i in split.grad_inputs]
   grad_after = apply_after = grad_before = apply_before = None
   inner_mesh = None if batch_axes else mesh
+  # Marker operands the plan splits over non-batch axes inside the region: XLA would
+  # gather such an operand whole before a reduce-scatter over the batch axes, so those
+  # are all-reduced (on their shards) and sliced instead.
+  split_inside = set()
   if eqn_constraints:
     apply_after = jaxpr_util.constraint_hook(mesh, eqn_constraints)
     inside = local_constraints(step, split, eqn_constraints, batch_axes, dict(mesh.shape))
     # Inside the shard_map the specs are bare: they refer to the region's abstract mesh.
     grad_after = jaxpr_util.constraint_hook(inner_mesh, inside)
+    producer = {o: (i, p) for i, e in enumerate(grad_jaxpr.eqns) for p, o in enumerate(e.outvars)}
+    for j, v in enumerate(grad_marker_eqn.invars):
+      i, p = producer.get(v, (None, None))
+      if i in inside and inside[i][p] is not None and any(e is not None for e in inside[i][p]):
+        split_inside.add(j)
   if operand_constraints:
     apply_before = jaxpr_util.operand_hook(mesh, operand_constraints)
     inside = local_constraints(step, split, operand_constraints, batch_axes, dict(mesh.shape),
@@ -214,13 +223,18 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
       init = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in grad_marker_eqn.invars]
       sums, _ = jax.lax.scan(body, init, micro)
     reduced = []
-    for x, spec in zip(sums, reduce_specs):
+    for j, (x, spec) in enumerate(zip(sums, reduce_specs)):
       if jnp.issubdtype(x.dtype, jnp.inexact):
         x = x / (k * num_shards)
       if axes is None:
         reduced.append(x)
       elif spec is None:
         reduced.append(jax.lax.psum(x, axes))
+      elif j in split_inside:
+        dim = next(d for d, entry in enumerate(spec) if entry is not None)
+        size = x.shape[dim] // num_shards
+        reduced.append(jax.lax.dynamic_slice_in_dim(
+            jax.lax.psum(x, axes), jax.lax.axis_index(axes) * size, size, dim))
       else:
         dim = next(d for d, entry in enumerate(spec) if entry is not None)
         reduced.append(jax.lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True))
