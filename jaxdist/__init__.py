@@ -3,6 +3,8 @@
 from jaxdist import errors as errors
 from jaxdist.api import ParallelizedFunc as ParallelizedFunc
 from jaxdist.api import parallelize as parallelize
+from jaxdist.estimate import Estimate as Estimate
+from jaxdist.estimate import estimate as estimate
 from jaxdist.executable import Executable as Executable
 from jaxdist.grad import grad as grad
 from jaxdist.grad import value_and_grad as value_and_grad
@@ -27,6 +29,7 @@ __all__ = [
     "AutoLayerOption",
     "AutoShardingOption",
     "DataParallel",
+    "Estimate",
     "Executable",
     "LogicalMesh",
     "ManualStageOption",
@@ -39,6 +42,7 @@ __all__ = [
     "Zero2Parallel",
     "Zero3Parallel",
     "errors",
+    "estimate",
     "grad",
     "init_distributed",
     "parallelize",

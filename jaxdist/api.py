@@ -75,6 +75,26 @@ def _argnums(name: str, value, allow_auto: bool):
   return tuple(sorted(set(value)))
 
 
+@dataclasses.dataclass(frozen=True)
+class Planned:
+  """A step traced and planned, not compiled.
+
+  Attributes:
+    traced: the step as traced (full batch).
+    step: the step the layout refers to (call-inlined for ShardParallel, with its
+      micro-batch trace where the layout splits gradients).
+    layout: the method's shardings.
+    shard_plan: the shard planner's result (ShardParallel), else None.
+    static_argnums: the argument numbers treated as static.
+  """
+
+  traced: Any
+  step: Any
+  layout: Any
+  shard_plan: Any
+  static_argnums: tuple[int, ...]
+
+
 class ParallelizedFunc:
   """A step wrapped by :func:`parallelize`; call it like the original function."""
 
@@ -136,7 +156,26 @@ class ParallelizedFunc:
                  if i not in self.batch_argnums
                  and not any(is_array(x) for x in tree_util.tree_leaves(a)))
 
-  def _compile(self, args, static):
+  def planned(self, *args) -> "Planned":
+    """Traces and plans the step for these arguments without compiling it (SPMD methods;
+    what estimates and tuning read)."""
+    if isinstance(self.method, m.PipeshardParallel):
+      raise errors.InvalidArgumentError(
+          "planned() covers the SPMD methods; a PipeshardParallel step is planned per stage "
+          "when it compiles.")
+    static = self._static_argnums(args)
+    self._check_args(args, static)
+    request = self._request()
+    traced = self._trace_spmd(args, static, request)
+    with recomputing(request):
+      step, layout, shard_plan = self._plan(self.method, traced, args, static, self._mesh())
+    return Planned(traced, step, layout, shard_plan, static)
+
+  def _request(self):
+    return (None if self.method.recompute_modules is None else
+            RecomputeRequest.parse(self.method.recompute_modules, self.method.name))
+
+  def _check_args(self, args, static):
     for i in static:
       try:
         hash(args[i])
@@ -150,9 +189,11 @@ class ParallelizedFunc:
         raise errors.NonArrayLeafError(
             f"batch argument {b} ({args[b]!r:.60}) holds no arrays; batch arguments must be "
             f"arrays or pytrees of arrays with a leading batch dimension.")
+
+  def _compile(self, args, static):
+    self._check_args(args, static)
     lmesh = self._mesh()
-    request = (None if self.method.recompute_modules is None else
-               RecomputeRequest.parse(self.method.recompute_modules, self.method.name))
+    request = self._request()
     dyn_argnums = tuple(i for i in range(len(args)) if i not in static)
     if isinstance(self.method, m.PipeshardParallel):
       with recomputing(request), capture.capturing():
@@ -170,16 +211,8 @@ class ParallelizedFunc:
                                         jaxpr_util.CALLS).micro_jaxpr
 
       return PipelineExecutable(self.method, step, lmesh, dyn_argnums, retrace)
+    traced = self._trace_spmd(args, static, request)
     with recomputing(request):
-      traced = trace_step(self.fun, args, static, self.batch_argnums, self.donate_argnums)
-      if request is not None:
-        if traced.marker_index is None:
-          raise errors.GradientMarkerError(
-              f"{self.method.name}(recompute_modules={self.method.recompute_modules!r}) is "
-              f"applied by jaxdist.grad / jaxdist.value_and_grad, and the step does not use "
-              f"them (exactly once, at its top level). Use jaxdist.value_and_grad (same "
-              f"signature).")
-        request.check_all_matched(self.method.name)
       method = self.method
       budget = (method.options.memory_budget_per_device
                 if isinstance(method, m.ShardParallel) else None)
@@ -212,10 +245,28 @@ class ParallelizedFunc:
       plan = dataclasses.replace(plan, notes=plan.notes + (note,))
     return Executable(step, layout, compiled, plan, dyn_argnums)
 
+  def _trace_spmd(self, args, static, request):
+    """The traced step of an SPMD method (with its recomputation request applied)."""
+    with recomputing(request):
+      traced = trace_step(self.fun, args, static, self.batch_argnums, self.donate_argnums)
+    if request is not None:
+      if traced.marker_index is None:
+        raise errors.GradientMarkerError(
+            f"{self.method.name}(recompute_modules={self.method.recompute_modules!r}) is "
+            f"applied by jaxdist.grad / jaxdist.value_and_grad, and the step does not use "
+            f"them (exactly once, at its top level). Use jaxdist.value_and_grad (same "
+            f"signature).")
+      request.check_all_matched(self.method.name)
+    return traced
+
   def _plan_and_compile(self, method, step, args, static, lmesh):
-    """Plans ``step`` with ``method`` (a fixed layout or the shard planner), traces it again
-    at the micro-batch size where the layout needs it (inside the caller's recomputation
-    context), and compiles it."""
+    """Plans ``step`` and compiles it (inside the caller's recomputation context)."""
+    step, layout, shard_plan = self._plan(method, step, args, static, lmesh)
+    return step, compile_layout(step, layout), layout, shard_plan
+
+  def _plan(self, method, step, args, static, lmesh):
+    """Plans ``step`` with ``method`` (a fixed layout or the shard planner) and traces it
+    again at the micro-batch size where the layout needs it; nothing is compiled."""
     shard_plan = None
     if isinstance(method, m.ShardParallel):
       shard_plan = plan_shard_parallel(method, step, lmesh)
@@ -229,7 +280,7 @@ class ParallelizedFunc:
         # The shard plan's equations are those of the call-inlined trace.
         inline = jaxpr_util.PLAN_CALLS if shard_plan is not None else ()
         step = with_micro_batch_trace(self.fun, args, static, step, divisor, inline)
-    return step, compile_layout(step, layout), layout, shard_plan
+    return step, layout, shard_plan
 
   def _mesh(self) -> LogicalMesh:
     if self._logical_mesh is None:

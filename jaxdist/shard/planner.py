@@ -106,6 +106,7 @@ class ShardPlanResult:
     objective: the chosen plan's predicted seconds.
     mesh_objectives: each tried mesh shape's objective, keyed ``"2x4"``.
     predicted_collectives: kind → {"count", "result_bytes"} per step (per device).
+    mesh_plan: the chosen shape's strategy graph and solution (each value's spec).
   """
 
   step: TracedStep
@@ -113,6 +114,7 @@ class ShardPlanResult:
   objective: float
   mesh_objectives: dict[str, float]
   predicted_collectives: dict[str, dict[str, float]]
+  mesh_plan: MeshPlan
 
 
 def plan_shard_parallel(method: m.ShardParallel, step: TracedStep,
@@ -185,7 +187,7 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep,
                   f"the lowest predicted step time of {len(shapes)} shapes searched"))
   layout = layout_of(step, best, k)
   layout = dataclasses.replace(layout, notes=layout.notes + tuple(notes))
-  return ShardPlanResult(step, layout, best.solution.objective, objectives, predicted)
+  return ShardPlanResult(step, layout, best.solution.objective, objectives, predicted, best)
 
 
 def communication_seconds(plan: MeshPlan) -> float:

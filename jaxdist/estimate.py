@@ -1,0 +1,395 @@
+"""``jaxdist.estimate``: memory and step time per device from a method's plan, before
+anything compiles.
+
+Memory is what XLA's ``memory_analysis`` adds up (arguments + outputs − donated +
+temporaries), per device:
+
+- arguments and outputs from the layout: each leaf's bytes over its shards, by role;
+- temporaries from a liveness walk (``jaxdist.liveness``) of the program one device
+  runs: the step at its per-device batch for DataParallel and ZeRO (the layout splits
+  the batch over every device), the planner's program with each value at its planned
+  shard for ShardParallel. The walk adds what the collectives allocate, as XLA lowers
+  them on this backend: combined all-reduces keep every operand until the last one is
+  ready and then allocate all results; a reduce-scatter (ZeRO) frees each gradient as
+  it is produced; gradient accumulation keeps one accumulator of local gradients; a
+  ZeRO-3 parameter is gathered around each equation reading it.
+
+Step time is compute (dot and convolution flops at the device's peak, times a factor
+fitted by :func:`calibrate` where a profile exists) plus the plan's collectives under the
+mesh's α-β costs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from typing import Any
+
+from jaxdist import errors
+from jaxdist import jaxpr_util
+from jaxdist import methods as m
+from jaxdist.grad import GRAD
+from jaxdist.liveness import Timeline
+from jaxdist.shard.cost import CostModel, combining_for
+from jaxdist.shard.specs import num_shards
+from jaxdist.shard.strategies import nbytes
+from jax.sharding import PartitionSpec
+
+from jaxdist.trace import BATCH, OPTIMIZER, PARAM, with_micro_batch_trace
+
+ROLE_KEYS = {PARAM: "params", OPTIMIZER: "optimizer", BATCH: "batch"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+  """What a step will need per device, estimated from its plan (no XLA compile).
+
+  Attributes:
+    method: the method's name.
+    memory_per_device: bytes at the peak, as arguments + outputs − donated +
+      temporaries (the figure ``Executable.get_total_allocation_size`` reports).
+    breakdown: bytes by part, summing to ``memory_per_device``: ``params``,
+      ``optimizer``, ``batch`` and ``other`` (other inputs and outputs not donated) as
+      the layout stores them; ``grads`` (gradient buffers live at the peak: local,
+      reduced, accumulated), ``activations`` (forward values kept for the backward,
+      live at the peak) and ``temporaries`` (the rest live at the peak).
+    step_time_s: ``compute_s + communication_s``.
+    compute_s: flops of dots and convolutions per device over the peak (calibrated).
+    communication_s: the predicted collectives under the mesh's α-β costs.
+    collectives: kind → {"count", "result_bytes"} per step and device, predicted.
+    plan: the method's plan (ShardParallel: the chosen mesh and specs).
+    notes: how the figures were made (calibration, approximations).
+    compiled: with ``compile=True``: XLA's ``argument``, ``output``, ``alias``,
+      ``temp`` and ``total`` bytes per device for the same plan; else None.
+  """
+
+  method: str
+  memory_per_device: float
+  breakdown: dict[str, float]
+  step_time_s: float
+  compute_s: float
+  communication_s: float
+  collectives: dict[str, dict[str, float]]
+  plan: Any
+  notes: tuple[str, ...] = ()
+  compiled: dict[str, float] | None = None
+
+  def summary(self) -> str:
+    mib = 2.0**20
+    lines = [f"{self.method} on mesh {'x'.join(map(str, self.plan.mesh_shape))}: "
+             f"{self.memory_per_device / mib:.2f} MiB per device, "
+             f"{self.step_time_s * 1e3:.3f} ms per step "
+             f"({self.compute_s * 1e3:.3f} compute + {self.communication_s * 1e3:.3f} "
+             f"communication)"]
+    for part, b in self.breakdown.items():
+      lines.append(f"  {part:<12} {b / mib:10.2f} MiB")
+    for kind, c in sorted(self.collectives.items()):
+      lines.append(f"  {kind}: {int(c['count'])} x, {c['result_bytes']:.0f} B")
+    if self.compiled is not None:
+      total = self.compiled["total"]
+      lines.append(f"  compiled     {total / mib:10.2f} MiB "
+                   f"(estimate / compiled = {self.memory_per_device / max(total, 1):.3f})")
+    lines += [f"  note: {n}" for n in self.notes]
+    return "\n".join(lines)
+
+
+def estimate(step, *args, method: m.Method | None = None, compile: bool = False) -> Estimate:
+  """Estimates the memory per device and the step time of ``step`` under ``method``.
+
+  Args:
+    step: a function decorated with :func:`jaxdist.parallelize` (its method is used
+      unless ``method`` is given) or a plain step function.
+    *args: the step's arguments (arrays or ``jax.ShapeDtypeStruct``s).
+    method: the method to estimate; default the step's, or ``ShardParallel()``.
+    compile: also compile the step (nothing is allocated or run) and put XLA's own
+      figures beside the estimate in ``Estimate.compiled``.
+
+  Raises:
+    InvalidArgumentError: ``method`` is not a jaxdist method, or is PipeshardParallel
+      (whose stages are estimated when it compiles: ``Executable.memory_analysis()``).
+  """
+  from jaxdist.api import ParallelizedFunc, parallelize
+  if isinstance(step, ParallelizedFunc):
+    func = step if method is None else ParallelizedFunc(
+        step.fun, method, step.static_argnums, step.donate_argnums, step.batch_argnums)
+  else:
+    func = parallelize(step, method=method)
+  method = func.method
+  if isinstance(method, m.PipeshardParallel):
+    raise errors.InvalidArgumentError(
+        "estimate(method=PipeshardParallel(...)) is not available yet: estimate its stages' "
+        "method (e.g. ShardParallel on a stage's sub-mesh), or compile it and read "
+        "Executable.memory_analysis() per stage.")
+  planned = func.planned(*args)
+  layout, lmesh = planned.layout, planned.layout.logical_mesh
+  breakdown = dict(params=0.0, optimizer=0.0, batch=0.0, other=0.0)
+  for leaf, spec in zip(planned.traced.inputs, layout.in_specs):
+    b = _bytes(leaf.shape, leaf.dtype) / _shards(spec, lmesh)
+    breakdown[ROLE_KEYS.get(leaf.role, "other")] += b
+  donated = {k for k, leaf in enumerate(planned.traced.inputs)
+             if leaf.argnum in planned.traced.donated_argnums}
+  for k, (aval, spec) in enumerate(zip(planned.traced.out_avals, layout.out_specs)):
+    if planned.traced.output_source[k] not in donated:
+      breakdown["other"] += _bytes(aval.shape, aval.dtype) / _shards(spec, lmesh)
+  notes = []
+  if planned.shard_plan is not None and layout.grad_reduce_specs is None:
+    temps, flops = _shard_parallel(planned)
+  else:
+    size = nbytes if planned.shard_plan is None else _micro_sizes(planned)
+    temps, flops, note = _split_step(planned, _micro_step(func, planned, args), size)
+    notes += note
+    if planned.shard_plan is not None:
+      flops = _shard_parallel(planned)[1]
+  if planned.shard_plan is not None:
+    collectives = dict(planned.shard_plan.predicted_collectives)
+  else:
+    collectives = _data_parallel_collectives(method, planned.traced, layout, lmesh)
+  breakdown.update(temps)
+  cost_model = CostModel(lmesh, combining=combining_for(lmesh.devices[0].platform),
+                         peak_flops=lmesh.peak_flops)
+  communication = _communication_seconds(collectives, cost_model, lmesh)
+  compute = flops / lmesh.peak_flops
+  from jaxdist.executable import make_plan
+  plan = make_plan(method.name, planned.step, layout, planned.shard_plan)
+  compiled = _compiled_figures(planned) if compile else None
+  return Estimate(method.name, sum(breakdown.values()), breakdown, compute + communication,
+                  compute, communication, collectives, plan, tuple(notes), compiled)
+
+
+def _bytes(shape, dtype) -> float:
+  return float(math.prod(shape) * getattr(dtype, "itemsize", 4))
+
+
+def _shards(spec, lmesh) -> int:
+  sizes = dict(zip(lmesh.axis_names, lmesh.shape))
+  n = 1
+  for entry in spec:
+    for axis in (entry if isinstance(entry, tuple) else (entry,)):
+      if axis is not None:
+        n *= sizes[axis]
+  return n
+
+
+def _parts(timeline: Timeline, labels: dict, forward_end: int) -> dict[str, float]:
+  """Splits the peak's live buffers into grads, activations and temporaries."""
+  peak = timeline.peak()
+  parts = dict(grads=0.0, activations=0.0, temporaries=0.0)
+  for label, b in peak.live:
+    if labels.get(label) == "grads":
+      parts["grads"] += b
+    elif timeline.buffers[label][0] <= forward_end:
+      parts["activations"] += b
+    else:
+      parts["temporaries"] += b
+  parts["temporaries"] += peak.bytes - sum(b for _, b in peak.live)  # a loop body's own
+  return parts
+
+
+def _forward_end(timeline: Timeline, jaxpr, marker) -> int:
+  """The position of the last equation computing the loss (the marker's value), or the
+  position of the first dot reading a value computed from a dot's cotangent… which
+  without a marker is approximated by the middle of the program."""
+  if marker is not None:
+    produced = {}
+    for i, (eqn, _, outs) in enumerate(timeline.eqns):
+      for o in outs:
+        produced[o] = i
+    values = [v for v, kind in zip(marker.invars, marker.params["kinds"]) if kind != GRAD]
+    ends = [produced.get(timeline.buffer_of(v), -1) for v in values]
+    if ends and max(ends) >= 0:
+      return max(ends)
+  return len(timeline.eqns) // 2
+
+
+def _micro_step(func, planned, args):
+  """The step one device runs per micro-batch: the layout's micro-batch trace, or the
+  step traced at its per-device batch."""
+  layout = planned.layout
+  if planned.step.micro_jaxpr is not None:
+    return planned.step.micro_jaxpr
+  n = math.prod(layout.logical_mesh.axis_size(a) for a in layout.batch_axes) or 1
+  return with_micro_batch_trace(func.fun, args, planned.static_argnums, planned.traced,
+                                n * layout.num_micro_batches).micro_jaxpr
+
+
+def _split_step(planned, closed, size=nbytes):
+  """Temporaries of a step whose gradients the layout reduces itself (``jaxdist.grad``'s
+  marker) or XLA reduces (no marker), walked on one device's micro-batch program."""
+  layout = planned.layout
+  lmesh, k = layout.logical_mesh, layout.num_micro_batches
+  timeline = Timeline(closed.jaxpr, size)
+  jaxpr = closed.jaxpr
+  markers = [e for e, _, _ in timeline.eqns if e.primitive.name == jaxpr_util.IDENTITY_MARKER]
+  marker = markers[0] if layout.grad_reduce_specs is not None and len(markers) == 1 else None
+  combined = "all-reduce" in combining_for(lmesh.devices[0].platform).kinds
+  batch_shards = _shards(PartitionSpec(tuple(layout.batch_axes)), lmesh)
+  labels, notes = {}, []
+  if marker is not None:
+    pm = timeline.position[id(marker)]
+    grads = [(i, v) for i, (v, kind) in enumerate(zip(marker.invars, marker.params["kinds"]))
+             if kind == GRAD]
+    starts, local = [], 0.0
+    for i, v in grads:
+      b = timeline.buffer_of(v)
+      if b not in timeline.buffers:
+        continue
+      start, end, nb = timeline.buffers[b]
+      spec = layout.grad_reduce_specs[i]
+      reduced = nb if spec is None else nb / batch_shards
+      starts.append(start)
+      local += nb
+      if k == 1 and combined and spec is None:
+        timeline.buffers[b] = [start, pm, nb]  # waits for the combined all-reduce
+        timeline.add(("reduced", i), pm, end, reduced)
+      elif k == 1:
+        timeline.buffers[b] = [start, start, nb]  # reduce-scattered as produced
+        timeline.add(("reduced", i), start, end, reduced)
+      else:
+        timeline.buffers[b] = [start, start, nb]  # added into the accumulator
+        timeline.add(("reduced", i), pm, end, reduced)
+      labels[b] = labels[("reduced", i)] = "grads"
+    if k > 1 and starts:
+      timeline.add("accumulator", min(starts), pm, local)
+      labels["accumulator"] = "grads"
+    if layout.stream_inputs:
+      # ZeRO-3: each parameter is gathered (whole) around every equation reading it.
+      streamed = {jaxpr.invars[i] for i in layout.stream_inputs}
+      for pos, (eqn, ins, _) in enumerate(timeline.eqns[:pm]):
+        gathered = sum(nbytes(v) for v in set(ins) if v in streamed)
+        if gathered:
+          timeline.add(("gathered", pos), pos, pos, gathered)
+  else:
+    peak = timeline.peak()
+    grad_bytes = sum(_bytes(l.shape, l.dtype) / _shards(spec, lmesh)
+                     for l, spec in zip(planned.traced.inputs, layout.in_specs)
+                     if l.role == PARAM)
+    timeline.add("reduced", peak.index, peak.index, grad_bytes)
+    labels["reduced"] = "grads"
+    notes.append("the step computes gradients with jax.grad (not jaxdist.grad), so they are "
+                 "not known by name: the gradient all-reduce's results are counted at the "
+                 "backward's peak")
+  temps = _parts(timeline, labels, _forward_end(timeline, jaxpr, marker))
+  flops = k * sum(jaxpr_util.eqn_flops(e) for e, _, _ in timeline.eqns)
+  return temps, flops, notes
+
+
+def _data_parallel_collectives(method, traced, layout, lmesh):
+  """The per-step collectives of the fixed layouts: gradients all-reduced (combined where
+  the backend combines all-reduces), ZeRO's parameters all-gathered."""
+  if lmesh.num_devices == 1:
+    return {}
+  params = [l for l in traced.inputs if l.role == PARAM]
+  grad_bytes = sum(_bytes(l.shape, l.dtype) for l in params)
+  combined = "all-reduce" in combining_for(lmesh.devices[0].platform).kinds
+  out = {"all-reduce": {"count": 1.0 if combined else float(len(params)),
+                        "result_bytes": grad_bytes}}
+  sharded = [l for l, spec in zip(traced.inputs, layout.in_specs)
+             if l.role == PARAM and _shards(spec, lmesh) > 1]
+  if isinstance(method, m.Zero2Parallel):
+    gathered = sum(_bytes(l.shape, l.dtype) for l in params)
+    out["all-gather"] = {"count": float(len(params)), "result_bytes": gathered}
+  if isinstance(method, m.Zero3Parallel) and sharded:
+    gathered = sum(_bytes(l.shape, l.dtype) for l in sharded)
+    out["all-gather"] = {"count": 2.0 * len(sharded), "result_bytes": 2 * gathered}
+  return out
+
+
+def _shard_parallel(planned):
+  """Temporaries, flops and collectives of a ShardParallel plan on one device."""
+  result = planned.shard_plan
+  plan = result.mesh_plan
+  graph, choice, lmesh = plan.graph, plan.solution.choice, plan.lmesh
+  sizes = dict(zip(lmesh.axis_names, lmesh.shape))
+
+  def size(v):
+    if v in graph.producer:
+      return nbytes(v) / num_shards(graph.spec_of(v, choice), sizes)
+    return nbytes(v)
+
+  jaxpr = result.step.closed_jaxpr.jaxpr
+  timeline = Timeline(jaxpr, size)
+  labels = {}
+  flops = 0.0
+  for node in graph.nodes:
+    if node.eqn is None:
+      continue
+    strategy = node.strategies[choice[node.group]]
+    out_shards = max((num_shards(s, sizes) for s in strategy.out_specs), default=1)
+    flops += jaxpr_util.eqn_flops(node.eqn) / _compute_shards(strategy, sizes, out_shards)
+  # A node's own all-reduce: its unreduced result and the reduced one are both live.
+  for k, (kind, axes, b) in graph.collectives(choice, plan.cost_model):
+    eqn = graph.nodes[k].eqn
+    if eqn is None or id(eqn) not in timeline.position:
+      continue
+    pos = timeline.position[id(eqn)]
+    timeline.add(("collective", k, kind, len(timeline.buffers)), pos, pos, b)
+  marker = next((e for e, _, _ in timeline.eqns
+                 if e.primitive.name == jaxpr_util.IDENTITY_MARKER), None)
+  return _parts(timeline, labels, _forward_end(timeline, jaxpr, marker)), flops
+
+
+def _micro_sizes(planned):
+  """Per-device bytes of the micro-batch program's values under a shard plan: each
+  value's planned shards, less the batch axes (its micro-batch shape already has them).
+  Equations are matched to the planned ones by their primitive sequence."""
+  result = planned.shard_plan
+  graph, choice, lmesh = (result.mesh_plan.graph, result.mesh_plan.solution.choice,
+                          result.mesh_plan.lmesh)
+  sizes = {a: n for a, n in zip(lmesh.axis_names, lmesh.shape)
+           if a not in planned.layout.batch_axes}
+  full = result.step.closed_jaxpr.jaxpr
+  micro = planned.step.micro_jaxpr.jaxpr
+  matcher = difflib.SequenceMatcher(None, [e.primitive.name for e in full.eqns],
+                                    [e.primitive.name for e in micro.eqns], autojunk=False)
+  shards = {}
+  for a, b, n in matcher.get_matching_blocks():
+    for i in range(n):
+      for fv, mv in zip(full.eqns[a + i].outvars, micro.eqns[b + i].outvars):
+        if fv in graph.producer:
+          spec = graph.spec_of(fv, choice)
+          shards[mv] = math.prod(sizes.get(ax, 1) for axes in spec for ax in axes)
+  for fv, mv in zip(full.invars, micro.invars):
+    if fv in graph.producer:
+      spec = graph.spec_of(fv, choice)
+      shards[mv] = math.prod(sizes.get(ax, 1) for axes in spec for ax in axes)
+  return lambda v: nbytes(v) / shards.get(v, 1)
+
+
+def _compute_shards(strategy, sizes, out_shards) -> int:
+  """How many ways a strategy splits its equation's work (its output's shards, or more
+  where it contracts a split dimension: the partial sums are all-reduced)."""
+  reduced = math.prod(num_shards((axes,), sizes) for kind, axes, _ in strategy.collectives
+                      if kind in ("all-reduce", "reduce-scatter"))
+  return max(out_shards * reduced, 1)
+
+
+def _communication_seconds(collectives, cost_model: CostModel, lmesh) -> float:
+  """α-β time of the predicted collectives, over every mesh axis (a conservative
+  placement where the kind's axes are not recorded)."""
+  axes = lmesh.axis_names
+  seconds = 0.0
+  for kind, c in collectives.items():
+    count = max(c["count"], 1.0)
+    per_op = c["result_bytes"] / count
+    if kind == "all-reduce":
+      one = cost_model.all_reduce(axes, per_op)
+    elif kind == "reduce-scatter":
+      one = cost_model.reduce_scatter(axes, per_op)
+    elif kind == "all-to-all":
+      one = cost_model.all_to_all(axes, per_op)
+    else:
+      one = cost_model.all_gather(axes, per_op)
+    seconds += count * one
+  return seconds
+
+
+def _compiled_figures(planned) -> dict[str, float]:
+  from jaxdist.executable import compile_layout
+  compiled = compile_layout(planned.step, planned.layout)
+  ma = compiled.memory_analysis()
+  figures = dict(argument=ma.argument_size_in_bytes, output=ma.output_size_in_bytes,
+                 alias=ma.alias_size_in_bytes, temp=ma.temp_size_in_bytes)
+  figures["total"] = (figures["argument"] + figures["output"] - figures["alias"]
+                      + figures["temp"])
+  return {k: float(v) for k, v in figures.items()}

@@ -1,0 +1,171 @@
+"""Peak temporary memory of a jaxpr, walked in program order as XLA's buffers would live.
+
+A value occupies ``size(v)`` bytes (per device) from the equation that defines it to its
+last reader. What XLA keeps out of memory is left out:
+
+- an elementwise (or broadcast) result read by exactly one elementwise op or reduction
+  is fused into it (loop and input fusion) and never written; its operands then live
+  until that reader;
+- reshapes and markers are bitcasts: their result shares the operand's buffer;
+- the step's inputs are arguments and its outputs are written into output buffers, so
+  neither is a temporary.
+
+Calls (``pjit``, ``custom_jvp_call``, ``custom_vjp_call``, ``remat``) are walked through
+in place; a loop (``scan``, ``while``) or ``cond`` adds its body's own peak while it runs,
+with each iteration's values at their per-iteration size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax.extend.core as jex
+
+from jaxdist import jaxpr_util
+from jaxdist.shard.strategies import ELEMENTWISE, REDUCTIONS, nbytes
+
+FUSIBLE = ELEMENTWISE | {"broadcast_in_dim", "iota"}
+FUSING_READERS = FUSIBLE | REDUCTIONS | {"reshape", "squeeze", "expand_dims", "transpose"}
+BITCASTS = frozenset({"reshape", "squeeze", "expand_dims", *jaxpr_util.MARKERS})
+CALLS = frozenset({*jaxpr_util.PLAN_CALLS, "remat", "checkpoint", "custom_lin"})
+LOOPS = frozenset({"scan", "while", "cond"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Peak:
+  """The heaviest point of a timeline.
+
+  Attributes:
+    bytes: temporaries live there (per device).
+    index: the position in the timeline where it occurs.
+    live: (label, bytes) of the buffers live there, largest first.
+  """
+
+  bytes: float
+  index: int
+  live: tuple[tuple[object, float], ...]
+
+
+class Timeline:
+  """The buffers of one jaxpr on a line of program positions (one per equation, with
+  calls flattened), each alive over ``[start, end]``; callers may add buffers (a
+  collective's result, an accumulator) and move ends before taking the ``peak``.
+
+  Attributes:
+    eqns: (equation, operands, results) per position.
+    buffers: buffer (a variable, or a caller's label) → [start, end, bytes].
+    extra: per position, bytes a loop body needs while its equation runs.
+    position: id(equation) → its position.
+  """
+
+  def __init__(self, jaxpr, size: Callable[[object], float] = nbytes):
+    self.eqns, self._rename = _linear(jaxpr)
+    n = len(self.eqns)
+    inputs = set(jaxpr.invars) | set(jaxpr.constvars)
+    readers: dict = {}
+    last: dict = {}
+    for i, (eqn, ins, _) in enumerate(self.eqns):
+      for v in ins:
+        readers.setdefault(v, []).append(eqn.primitive.name)
+        last[v] = i
+    self._owner: dict = {}  # a bitcast's result → the buffer it shares
+    for eqn, ins, outs in self.eqns:
+      if eqn.primitive.name in BITCASTS:
+        for o, v in zip(outs, ins):
+          self._owner[o] = self._owner.get(v, v)
+    outputs = {self.buffer_of(v) for v in jaxpr.outvars if not isinstance(v, jex.Literal)}
+    # A fused result is recomputed inside each reader's fusion: its operands stay live
+    # until its last reader (walked backwards, so chains of fused values carry through).
+    fused = [_fused(eqn, outs, readers, outputs) for eqn, _, outs in self.eqns]
+    for i in range(n - 1, -1, -1):
+      eqn, ins, outs = self.eqns[i]
+      if fused[i] or eqn.primitive.name in BITCASTS:
+        reach = max((last.get(o, i) for o in outs), default=i)
+        for v in ins:
+          last[v] = max(last.get(v, i), reach)
+    end: dict = {}
+    for v, i in last.items():
+      b = self._owner.get(v, v)
+      end[b] = max(end.get(b, -1), i)
+    self.buffers: dict = {}
+    self.extra = [0.0] * n
+    self.position: dict = {}
+    for i, (eqn, ins, outs) in enumerate(self.eqns):
+      self.position[id(eqn)] = i
+      if eqn.primitive.name in LOOPS:
+        self.extra[i] = max((Timeline(sub, size).peak().bytes
+                             for sub in jex.jaxprs_in_params(eqn.params)), default=0.0)
+      if eqn.primitive.name in BITCASTS or fused[i]:
+        continue
+      for o in outs:
+        if isinstance(o, jex.DropVar) or o in outputs or o in inputs:
+          continue
+        self.buffers[o] = [i, max(end.get(o, i), i), size(o)]
+
+  def buffer_of(self, v):
+    """The buffer holding variable ``v`` (through calls and bitcasts)."""
+    v = self._rename.get(v, v)
+    return self._owner.get(v, v)
+
+  def add(self, label, start: int, end: int, nbytes: float) -> None:
+    self.buffers[label] = [start, end, nbytes]
+
+  def peak(self) -> Peak:
+    n = len(self.eqns)
+    delta = [0.0] * (n + 2)
+    for start, end, b in self.buffers.values():
+      delta[max(start, 0)] += b
+      delta[min(end, n) + 1] -= b
+    best, at, running = 0.0, 0, 0.0
+    for i in range(n):
+      running += delta[i]
+      if running + self.extra[i] > best:
+        best, at = running + self.extra[i], i
+    live = sorted(((label, b) for label, (s, e, b) in self.buffers.items() if s <= at <= e),
+                  key=lambda x: -x[1])
+    return Peak(best, at, tuple(live))
+
+
+def _fused(eqn, outs, readers, outputs) -> bool:
+  """Whether XLA fuses ``eqn`` into its reader instead of writing its result: an
+  elementwise op (or broadcast) read by exactly one op that fuses its operands. A value
+  read more than once is written once (measured on the CPU backend: a GPT's residual
+  stream and GELU values, read by the next layer and by the backward, are buffers)."""
+  if eqn.primitive.name not in FUSIBLE or any(o in outputs for o in outs):
+    return False
+  names = [r for o in outs for r in readers.get(o, ())]
+  return len(names) <= 1 and all(r in FUSING_READERS for r in names)
+
+
+def _first_body(eqn):
+  for sub in jex.jaxprs_in_params(eqn.params):
+    return jex.ClosedJaxpr(sub, ())
+  return None
+
+
+def _linear(jaxpr) -> tuple[list[tuple], dict]:
+  """(eqn, invars, outvars) in program order with calls flattened (literals dropped), and
+  the renaming of call results to their bodies' values."""
+  out, top = [], {}
+
+  def visit(jx, rename):
+    for eqn in jx.eqns:
+      ins = [rename.get(v, v) for v in eqn.invars if not isinstance(v, jex.Literal)]
+      if eqn.primitive.name in CALLS:
+        body = jaxpr_util._call_body(eqn) or _first_body(eqn)
+        if body is not None and len(body.jaxpr.invars) == len(eqn.invars):
+          inner = {}
+          for bv, v in zip(body.jaxpr.invars, eqn.invars):
+            if not isinstance(v, jex.Literal):
+              inner[bv] = rename.get(v, v)
+          visit(body.jaxpr, inner)
+          # The call's outputs are its body's outputs.
+          for o, bo in zip(eqn.outvars, body.jaxpr.outvars):
+            if not isinstance(bo, jex.Literal):
+              rename[o] = inner.get(bo, bo)
+          continue
+      out.append((eqn, ins, list(eqn.outvars)))
+
+  visit(jaxpr, top)
+  return out, top
