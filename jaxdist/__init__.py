@@ -3,6 +3,7 @@
 from jaxdist import errors as errors
 from jaxdist.api import ParallelizedFunc as ParallelizedFunc
 from jaxdist.api import parallelize as parallelize
+from jaxdist.calibration import calibrate as calibrate
 from jaxdist.estimate import Estimate as Estimate
 from jaxdist.estimate import estimate as estimate
 from jaxdist.executable import Executable as Executable
@@ -47,6 +48,7 @@ __all__ = [
     "init_distributed",
     "parallelize",
     "automatic_layer_construction",
+    "calibrate",
     "manual_layer_construction",
     "mark_pipeline_boundary",
     "value_and_grad",

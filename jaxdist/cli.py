@@ -28,6 +28,22 @@ def main(argv: list[str] | None = None) -> int:
   plan.add_argument("--devices", type=int, default=8,
                     help="simulated CPU devices when no accelerator is present (default 8)")
   plan.add_argument("--json", action="store_true", help="print the result as JSON")
+  est = sub.add_parser("estimate", help="estimate memory per device and step time of a "
+                       "step under a method, without compiling it")
+  est.add_argument("target", nargs="?", default=None,
+                   help="path/to/script.py:make_step, a function returning (step, args); "
+                   "default: the reference workload of --model")
+  est.add_argument("--model", choices=("mlp", "gpt", "bert", "moe"), default="gpt")
+  est.add_argument("--method", choices=("dp", "zero2", "zero3", "shard"), default="shard")
+  est.add_argument("--micro-batches", type=int, default=None)
+  est.add_argument("--recompute", default=None, help="recompute_modules, e.g. Block")
+  est.add_argument("--compile", action="store_true",
+                   help="also compile (nothing allocated) and show XLA's figures beside")
+  est.add_argument("--calibrate", action="store_true",
+                   help="measure the present devices first and store their profile")
+  est.add_argument("--devices", type=int, default=8,
+                   help="simulated CPU devices when no accelerator is present (default 8)")
+  est.add_argument("--json", action="store_true", help="print the result as JSON")
   args = parser.parse_args(argv)
 
   if args.command == "demo":
@@ -41,6 +57,12 @@ def main(argv: list[str] | None = None) -> int:
 
     return explain.main(args.model, args.mesh, args.alpha, args.beta, args.batch_size,
                         args.budget, args.json)
+  if args.command == "estimate":
+    _cpu_devices(args.devices)
+    from jaxdist import estimate_cli
+
+    return estimate_cli.main(args.target, args.model, args.method, args.micro_batches,
+                             args.recompute, args.compile, args.calibrate, args.json)
   return 2
 
 

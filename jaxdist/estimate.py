@@ -26,6 +26,7 @@ import difflib
 import math
 from typing import Any
 
+from jaxdist import calibration
 from jaxdist import errors
 from jaxdist import jaxpr_util
 from jaxdist import methods as m
@@ -62,6 +63,9 @@ class Estimate:
     notes: how the figures were made (calibration, approximations).
     compiled: with ``compile=True``: XLA's ``argument``, ``output``, ``alias``,
       ``temp`` and ``total`` bytes per device for the same plan; else None.
+    flops: dot and convolution flops per device and step.
+    bytes_accessed: bytes per device and step that buffers write (each non-fused value
+      once) plus the state and batch read.
   """
 
   method: str
@@ -74,6 +78,8 @@ class Estimate:
   plan: Any
   notes: tuple[str, ...] = ()
   compiled: dict[str, float] | None = None
+  flops: float = 0.0
+  bytes_accessed: float = 0.0
 
   def summary(self) -> str:
     mib = 2.0**20
@@ -94,7 +100,8 @@ class Estimate:
     return "\n".join(lines)
 
 
-def estimate(step, *args, method: m.Method | None = None, compile: bool = False) -> Estimate:
+def estimate(step, *args, method: m.Method | None = None, compile: bool = False,
+             calibrated: bool = True) -> Estimate:
   """Estimates the memory per device and the step time of ``step`` under ``method``.
 
   Args:
@@ -104,6 +111,8 @@ def estimate(step, *args, method: m.Method | None = None, compile: bool = False)
     method: the method to estimate; default the step's, or ``ShardParallel()``.
     compile: also compile the step (nothing is allocated or run) and put XLA's own
       figures beside the estimate in ``Estimate.compiled``.
+    calibrated: use the devices' calibration profile (``jaxdist.calibrate``) if one
+      exists.
 
   Raises:
     InvalidArgumentError: ``method`` is not a jaxdist method, or is PipeshardParallel
@@ -129,32 +138,60 @@ def estimate(step, *args, method: m.Method | None = None, compile: bool = False)
     breakdown[ROLE_KEYS.get(leaf.role, "other")] += b
   donated = {k for k, leaf in enumerate(planned.traced.inputs)
              if leaf.argnum in planned.traced.donated_argnums}
+  outputs = 0.0
   for k, (aval, spec) in enumerate(zip(planned.traced.out_avals, layout.out_specs)):
+    b = _bytes(aval.shape, aval.dtype) / _shards(spec, lmesh)
+    outputs += b
     if planned.traced.output_source[k] not in donated:
-      breakdown["other"] += _bytes(aval.shape, aval.dtype) / _shards(spec, lmesh)
+      breakdown["other"] += b
   notes = []
   if planned.shard_plan is not None and layout.grad_reduce_specs is None:
-    temps, flops = _shard_parallel(planned)
+    work = _shard_parallel(planned)
   else:
-    size = nbytes if planned.shard_plan is None else _micro_sizes(planned)
-    temps, flops, note = _split_step(planned, _micro_step(func, planned, args), size)
-    notes += note
+    closed = _micro_step(func, planned, args)
+    size, gathered = nbytes, None
     if planned.shard_plan is not None:
-      flops = _shard_parallel(planned)[1]
+      size = _micro_sizes(planned)
+      gathered = {i: size(v) for i, v in enumerate(closed.jaxpr.invars)
+                  if planned.traced.inputs[i].role == PARAM
+                  and _splits_over(layout.in_specs[i], layout.batch_axes)}
+    work = _split_step(planned, closed, size, gathered)
+    if planned.shard_plan is not None:
+      work = dataclasses.replace(work, flops=_planned_flops(planned.shard_plan.mesh_plan))
+  notes += work.notes
   if planned.shard_plan is not None:
     collectives = dict(planned.shard_plan.predicted_collectives)
   else:
     collectives = _data_parallel_collectives(method, planned.traced, layout, lmesh)
-  breakdown.update(temps)
+  breakdown.update(work.temps)
   cost_model = CostModel(lmesh, combining=combining_for(lmesh.devices[0].platform),
                          peak_flops=lmesh.peak_flops)
   communication = _communication_seconds(collectives, cost_model, lmesh)
-  compute = flops / lmesh.peak_flops
+  written = work.written + outputs + sum(breakdown[p] for p in ("params", "optimizer", "batch"))
+  profile = calibration.load(lmesh.devices) if calibrated else None
+  if profile is not None:
+    compute = profile.compute_seconds(work.flops, written)
+    notes.append(f"compute time calibrated by {profile.path} ({profile.created})")
+  else:
+    compute = work.flops / lmesh.peak_flops + written / cost_model.memory_bandwidth
+    notes.append("compute time at the device kind's peak flops and memory bandwidth (no "
+                 "calibration profile for these devices: jaxdist.calibrate())")
   from jaxdist.executable import make_plan
   plan = make_plan(method.name, planned.step, layout, planned.shard_plan)
   compiled = _compiled_figures(planned) if compile else None
   return Estimate(method.name, sum(breakdown.values()), breakdown, compute + communication,
-                  compute, communication, collectives, plan, tuple(notes), compiled)
+                  compute, communication, collectives, plan, tuple(notes), compiled,
+                  work.flops, written)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Work:
+  """One device's step: temporaries at the peak by part, flops, bytes its buffers write."""
+
+  temps: dict[str, float]
+  flops: float
+  written: float
+  notes: tuple[str, ...] = ()
 
 
 def _bytes(shape, dtype) -> float:
@@ -176,8 +213,8 @@ def _parts(timeline: Timeline, labels: dict, forward_end: int) -> dict[str, floa
   peak = timeline.peak()
   parts = dict(grads=0.0, activations=0.0, temporaries=0.0)
   for label, b in peak.live:
-    if labels.get(label) == "grads":
-      parts["grads"] += b
+    if label in labels:
+      parts[labels[label]] += b
     elif timeline.buffers[label][0] <= forward_end:
       parts["activations"] += b
     else:
@@ -213,7 +250,7 @@ def _micro_step(func, planned, args):
                                 n * layout.num_micro_batches).micro_jaxpr
 
 
-def _split_step(planned, closed, size=nbytes):
+def _split_step(planned, closed, size=nbytes, gathered_inputs=None):
   """Temporaries of a step whose gradients the layout reduces itself (``jaxdist.grad``'s
   marker) or XLA reduces (no marker), walked on one device's micro-batch program."""
   layout = planned.layout
@@ -252,6 +289,13 @@ def _split_step(planned, closed, size=nbytes):
     if k > 1 and starts:
       timeline.add("accumulator", min(starts), pm, local)
       labels["accumulator"] = "grads"
+    if gathered_inputs:
+      # Inputs the plan splits over the batch axes enter the gradient part gathered over
+      # them (its shard_map replicates them there).
+      first = min(starts, default=0)
+      for pos, nb in gathered_inputs.items():
+        timeline.add(("gathered input", pos), first, pm, nb)
+        labels[("gathered input", pos)] = "temporaries"
     if layout.stream_inputs:
       # ZeRO-3: each parameter is gathered (whole) around every equation reading it.
       streamed = {jaxpr.invars[i] for i in layout.stream_inputs}
@@ -259,6 +303,7 @@ def _split_step(planned, closed, size=nbytes):
         gathered = sum(nbytes(v) for v in set(ins) if v in streamed)
         if gathered:
           timeline.add(("gathered", pos), pos, pos, gathered)
+          labels[("gathered", pos)] = "temporaries"
   else:
     peak = timeline.peak()
     grad_bytes = sum(_bytes(l.shape, l.dtype) / _shards(spec, lmesh)
@@ -266,12 +311,20 @@ def _split_step(planned, closed, size=nbytes):
                      if l.role == PARAM)
     timeline.add("reduced", peak.index, peak.index, grad_bytes)
     labels["reduced"] = "grads"
+    gathered = sum(_bytes(l.shape, l.dtype) * (1 - 1 / _shards(spec, lmesh))
+                   for l, spec in zip(planned.traced.inputs, layout.in_specs) if l.role == PARAM)
+    if gathered:
+      # Sharded parameters without the marker's streaming: XLA gathers each whole once
+      # and keeps it for the forward and the backward.
+      timeline.add("gathered", 0, len(timeline.eqns), gathered)
+      labels["gathered"] = "temporaries"
     notes.append("the step computes gradients with jax.grad (not jaxdist.grad), so they are "
                  "not known by name: the gradient all-reduce's results are counted at the "
                  "backward's peak")
   temps = _parts(timeline, labels, _forward_end(timeline, jaxpr, marker))
   flops = k * sum(jaxpr_util.eqn_flops(e) for e, _, _ in timeline.eqns)
-  return temps, flops, notes
+  written = k * sum(b for _, _, b in timeline.buffers.values())
+  return _Work(temps, flops, written, tuple(notes))
 
 
 def _data_parallel_collectives(method, traced, layout, lmesh):
@@ -309,15 +362,8 @@ def _shard_parallel(planned):
 
   jaxpr = result.step.closed_jaxpr.jaxpr
   timeline = Timeline(jaxpr, size)
-  labels = {}
-  flops = 0.0
-  for node in graph.nodes:
-    if node.eqn is None:
-      continue
-    strategy = node.strategies[choice[node.group]]
-    out_shards = max((num_shards(s, sizes) for s in strategy.out_specs), default=1)
-    flops += jaxpr_util.eqn_flops(node.eqn) / _compute_shards(strategy, sizes, out_shards)
-  # A node's own all-reduce: its unreduced result and the reduced one are both live.
+  written = sum(b for _, _, b in timeline.buffers.values())
+  # A collective's result is a buffer of its own next to its operand.
   for k, (kind, axes, b) in graph.collectives(choice, plan.cost_model):
     eqn = graph.nodes[k].eqn
     if eqn is None or id(eqn) not in timeline.position:
@@ -326,7 +372,27 @@ def _shard_parallel(planned):
     timeline.add(("collective", k, kind, len(timeline.buffers)), pos, pos, b)
   marker = next((e for e, _, _ in timeline.eqns
                  if e.primitive.name == jaxpr_util.IDENTITY_MARKER), None)
-  return _parts(timeline, labels, _forward_end(timeline, jaxpr, marker)), flops
+  temps = _parts(timeline, {}, _forward_end(timeline, jaxpr, marker))
+  return _Work(temps, _planned_flops(plan), written)
+
+
+def _planned_flops(plan) -> float:
+  """Dot and convolution flops one device runs under a solved plan."""
+  graph, choice = plan.graph, plan.solution.choice
+  sizes = dict(zip(plan.lmesh.axis_names, plan.lmesh.shape))
+  flops = 0.0
+  for node in graph.nodes:
+    if node.eqn is None:
+      continue
+    strategy = node.strategies[choice[node.group]]
+    out_shards = max((num_shards(s, sizes) for s in strategy.out_specs), default=1)
+    flops += jaxpr_util.eqn_flops(node.eqn) / _compute_shards(strategy, sizes, out_shards)
+  return flops
+
+
+def _splits_over(spec, axes) -> bool:
+  return any(a in axes for entry in spec if entry is not None
+             for a in (entry if isinstance(entry, tuple) else (entry,)))
 
 
 def _micro_sizes(planned):

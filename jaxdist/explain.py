@@ -17,18 +17,19 @@ from jaxdist.mesh import LogicalMesh
 WORKLOADS = ("mlp", "gpt", "bert", "moe")
 
 
-def workload(name: str, batch_size: int):
-  """(step, state, batch) of a reference workload (``jaxdist.models``)."""
+def workload(name: str, batch_size: int, value_and_grad=jax.value_and_grad):
+  """(step, state, batch) of a reference workload (``jaxdist.models``); gradients by
+  ``value_and_grad`` (``jaxdist.value_and_grad`` allows gradient accumulation)."""
   if name == "mlp":
     batch = models.regression_batch(batch_size, 256, out=256)
     state = models.create_state(models.MLP(hidden=256, num_layers=5, out=256), batch["x"],
                                 tx=optax.adam(1e-3))
-    return models.regression_step(), state, batch
+    return models.regression_step(value_and_grad), state, batch
   config = models.GPTConfig(vocab=1024, width=256, heads=8, depth=4, seq_len=64)
   model = {"gpt": models.GPT, "bert": models.BERT, "moe": models.MoELM}[name](config)
   batch = models.token_batch(batch_size, config)
   state = models.create_state(model, batch["tokens"][:, :-1], tx=optax.adam(1e-3))
-  return models.lm_step(), state, batch
+  return models.lm_step(value_and_grad), state, batch
 
 
 def parse_costs(text: str | None, axes: int):

@@ -91,7 +91,8 @@ class TracedStep:
 
 
 def is_array(x) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+  """An array, or an abstract one (``jax.ShapeDtypeStruct``: traced and planned, not run)."""
+  return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
 
 
 def is_array_leaf(x) -> bool:

@@ -19,6 +19,7 @@ import logging
 import os
 from pathlib import Path
 
+from jaxdist import cache_dir
 from jaxdist.shard.solver import Solution
 
 VERSION = 1
@@ -26,9 +27,7 @@ log = logging.getLogger("jaxdist.plan")
 
 
 def directory() -> Path:
-  root = os.environ.get("JAXDIST_CACHE_DIR") or os.path.join(
-      os.path.expanduser("~"), ".cache", "jaxdist")
-  return Path(root) / "plans"
+  return cache_dir.root() / "plans"
 
 
 def key(*parts) -> str:

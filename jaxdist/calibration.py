@@ -1,0 +1,156 @@
+"""Fitting the step-time estimate to the present devices: ``jaxdist.calibrate``.
+
+An estimate's compute time is ``overhead + flops · seconds_per_flop + bytes ·
+seconds_per_byte`` (flops of dots and convolutions, bytes its buffers write and the
+state it reads; see ``jaxdist.estimate``). Without a profile the two rates are the
+device kind's peak flops and memory bandwidth, which real steps never reach. A profile
+measures a few reference steps (the MLP and GPT of ``jaxdist.models`` at two sizes each,
+DataParallel over the devices), and fits the three coefficients (non-negative least
+squares on the measured time less the estimated communication).
+
+Profiles live under ``$JAXDIST_CACHE_DIR/profiles`` (default ``~/.cache/jaxdist``), one
+JSON file per platform, device kind and device count, like nnScaler's ``profile_dir``;
+estimates use the one matching their devices and say so in their notes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import re
+from pathlib import Path
+
+import numpy as np
+
+from jaxdist import cache_dir
+
+VERSION = 1
+log = logging.getLogger("jaxdist.estimate")
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+  """Fitted compute-time coefficients for one platform, device kind and device count.
+
+  Attributes:
+    seconds_per_flop, seconds_per_byte, overhead_s: the fitted coefficients.
+    points: per reference step, its name, measured and fitted seconds.
+    created: when it was measured (ISO date and time, UTC).
+    path: where it is stored.
+  """
+
+  platform: str
+  device_kind: str
+  num_devices: int
+  seconds_per_flop: float
+  seconds_per_byte: float
+  overhead_s: float
+  points: tuple[tuple[str, float, float], ...]
+  created: str
+  jax_version: str
+  path: str = ""
+
+  def compute_seconds(self, flops: float, nbytes: float) -> float:
+    return self.overhead_s + flops * self.seconds_per_flop + nbytes * self.seconds_per_byte
+
+
+def profile_path(devices) -> Path:
+  d = devices[0]
+  kind = re.sub(r"[^a-z0-9]+", "-", str(getattr(d, "device_kind", "")).lower()).strip("-")
+  return cache_dir.root() / "profiles" / f"{d.platform}-{kind or 'unknown'}-{len(devices)}.json"
+
+
+def load(devices) -> Profile | None:
+  """The stored profile of these devices, or None."""
+  path = profile_path(devices)
+  try:
+    data = json.loads(path.read_text())
+    if data.pop("version") != VERSION:
+      return None
+    data["points"] = tuple(tuple(p) for p in data["points"])
+    return Profile(**data, path=str(path))
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
+
+
+def calibrate(devices=None, *, re_profile: bool = False, steps: int = 5) -> Profile:
+  """Measures reference steps on ``devices`` (default all) and stores the fitted profile.
+
+  Args:
+    devices: the devices the estimates are for (a list; default ``jax.devices()``).
+    re_profile: measure again even if a profile exists.
+    steps: timed steps per reference step (the median is used).
+
+  Returns:
+    The profile (loaded, if one exists and ``re_profile`` is False).
+  """
+  import jax
+  import optax
+
+  from jaxdist import methods as m
+  from jaxdist import models
+  from jaxdist.api import parallelize
+  from jaxdist.estimate import estimate
+  from jaxdist.measure import time_steps
+
+  devices = list(devices or jax.devices())
+  if not re_profile:
+    found = load(devices)
+    if found is not None:
+      return found
+  n = len(devices)
+  rows, names = [], []
+  for name, (step, state, batch) in _reference_steps(n, models, optax):
+    method = m.DataParallel(devices=devices)
+    est = estimate(step, state, batch, method=method, calibrated=False)
+    f = parallelize(step, method=method)
+    _, _, seconds = time_steps(f, state, batch, num_steps=steps, warmup=2)
+    rows.append((est.flops, est.bytes_accessed, 1.0, max(seconds - est.communication_s, 0.0)))
+    names.append(name)
+    log.info("calibration %s: %.3f ms measured, %.3g flops, %.3g bytes", name, seconds * 1e3,
+             est.flops, est.bytes_accessed)
+  from scipy.optimize import nnls
+  a = np.array([r[:3] for r in rows])
+  y = np.array([r[3] for r in rows])
+  scale = a.max(axis=0)
+  coef, _ = nnls(a / scale, y)
+  coef = coef / scale
+  fitted = a @ coef
+  profile = Profile(
+      platform=devices[0].platform, device_kind=str(getattr(devices[0], "device_kind", "")),
+      num_devices=n, seconds_per_flop=float(coef[0]), seconds_per_byte=float(coef[1]),
+      overhead_s=float(coef[2]),
+      points=tuple((nm, float(t), float(ft)) for nm, t, ft in zip(names, y, fitted)),
+      created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      jax_version=jax.__version__, path=str(profile_path(devices)))
+  _store(profile)
+  return profile
+
+
+def _store(profile: Profile) -> None:
+  path = Path(profile.path)
+  data = dataclasses.asdict(profile)
+  data.pop("path")
+  data["version"] = VERSION
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1))
+  except OSError as e:
+    log.warning("calibration profile not written (%s): %s", path, e)
+
+
+def _reference_steps(n: int, models, optax):
+  """Small steps with different ratios of flops to bytes, sized for ``n`` devices."""
+  for hidden, rows in ((256, 16), (512, 8), (512, 64), (1024, 16)):
+    data = models.regression_batch(rows * n, hidden, out=hidden)
+    state = models.create_state(models.MLP(hidden=hidden, num_layers=4, out=hidden), data["x"],
+                                tx=optax.adam(1e-3))
+    yield f"mlp-{hidden}x{rows}", (models.regression_step(), state, data)
+  for width, rows in ((128, 2), (256, 2), (256, 8)):
+    config = models.GPTConfig(vocab=512, width=width, heads=4, depth=2, seq_len=64)
+    batch = models.token_batch(rows * n, config)
+    state = models.create_state(models.GPT(config), batch["tokens"][:, :-1],
+                                tx=optax.adam(1e-3))
+    yield f"gpt-{width}x{rows}", (models.lm_step(), state, batch)

@@ -1,0 +1,102 @@
+"""jd.estimate: memory per device from the plan, checked against XLA's figures for the
+same plan (``compile=True``), on two model families; step time from flops, bytes and the
+plan's collectives, calibrated by a stored profile.
+
+Tolerances are the estimator's measured accuracy on this backend (bench/estimate.py prints
+every row): DataParallel within 2%; ZeRO and ShardParallel within 20% (XLA's scheduler
+and copy insertion decide the rest; see jaxdist/estimate.py).
+"""
+
+import json
+
+import jax
+import optax
+import pytest
+
+import jaxdist as jd
+from jaxdist import calibration, cli, errors, models
+
+TOLERANCE = {"DataParallel": 0.02, "Zero2Parallel": 0.20, "Zero3Parallel": 0.20,
+             "ShardParallel": 0.20}
+
+
+def _mlp():
+  data = models.regression_batch(32, 256, out=256)
+  state = models.create_state(models.MLP(hidden=256, num_layers=4, out=256), data["x"],
+                              tx=optax.adam(1e-3))
+  return models.regression_step(jd.value_and_grad), state, data
+
+
+def _gpt():
+  config = models.GPTConfig(vocab=512, width=128, heads=4, depth=2, seq_len=32)
+  batch = models.token_batch(16, config)
+  state = models.create_state(models.GPT(config), batch["tokens"][:, :-1], tx=optax.adam(1e-3))
+  return models.lm_step(jd.value_and_grad), state, batch
+
+
+@pytest.mark.parametrize("workload", [_mlp, _gpt], ids=["mlp", "gpt"])
+@pytest.mark.parametrize("method", [jd.DataParallel, jd.Zero2Parallel, jd.Zero3Parallel,
+                                    jd.ShardParallel])
+@pytest.mark.parametrize("k", [1, 2])
+def test_memory_estimate_matches_the_compiled_step(workload, method, k):
+  step, state, batch = workload()
+  est = jd.estimate(step, state, batch, method=method(num_micro_batches=k), compile=True)
+  compiled = est.compiled
+  assert abs(est.memory_per_device - compiled["total"]) <= TOLERANCE[est.method] * compiled["total"], (
+      est.summary())
+  # Arguments come from the layout exactly.
+  inputs = sum(est.breakdown[p] for p in ("params", "optimizer", "batch", "other"))
+  assert abs(inputs - compiled["argument"] - (compiled["output"] - compiled["alias"])) <= (
+      0.01 * compiled["argument"])
+  assert est.memory_per_device == pytest.approx(sum(est.breakdown.values()))
+  assert est.step_time_s == pytest.approx(est.compute_s + est.communication_s)
+  assert est.flops > 0 and est.plan.method == est.method
+
+
+def test_abstract_inputs_estimate_as_concrete_ones():
+  """A model too large to create is sized from jax.eval_shape's ShapeDtypeStructs."""
+  step, state, batch = _gpt()
+  abstract = jax.eval_shape(lambda *a: a, state, batch)
+  a = jd.estimate(step, *abstract, method=jd.Zero3Parallel())
+  b = jd.estimate(step, state, batch, method=jd.Zero3Parallel())
+  assert a.memory_per_device == b.memory_per_device and a.breakdown == b.breakdown
+
+
+def test_a_profile_calibrates_compute_time(tmp_path, monkeypatch):
+  monkeypatch.setenv("JAXDIST_CACHE_DIR", str(tmp_path))
+  step, state, batch = _mlp()
+  plain = jd.estimate(step, state, batch, method=jd.DataParallel())
+  assert "no calibration profile" in " ".join(plain.notes)
+  devices = jax.devices()
+  profile = calibration.Profile(devices[0].platform, devices[0].device_kind, len(devices),
+                                seconds_per_flop=1e-10, seconds_per_byte=1e-9, overhead_s=1e-3,
+                                points=(), created="now", jax_version=jax.__version__,
+                                path=str(calibration.profile_path(devices)))
+  calibration._store(profile)
+  est = jd.estimate(step, state, batch, method=jd.DataParallel())
+  assert est.compute_s == pytest.approx(1e-3 + est.flops * 1e-10 + est.bytes_accessed * 1e-9)
+  assert any("calibrated by" in n for n in est.notes)
+
+
+def test_pipeshard_is_refused_with_a_typed_error():
+  step, state, batch = _mlp()
+  with pytest.raises(errors.InvalidArgumentError, match="PipeshardParallel"):
+    jd.estimate(step, state, batch, method=jd.PipeshardParallel(num_micro_batches=2))
+
+
+def test_jaxdist_estimate_command(capsys, tmp_path):
+  script = tmp_path / "make.py"
+  script.write_text(
+      "import optax\nimport jaxdist as jd\nfrom jaxdist import models\n"
+      "def make_step():\n"
+      "  data = models.regression_batch(32, 64, out=64)\n"
+      "  state = models.create_state(models.MLP(hidden=64, num_layers=2, out=64), data['x'],"
+      " tx=optax.sgd(0.1))\n"
+      "  return models.regression_step(jd.value_and_grad), (state, data)\n")
+  assert cli.main(["estimate", f"{script}:make_step", "--method", "zero2", "--json"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert out["method"] == "Zero2Parallel" and out["memory_per_device"] > 0
+  assert set(out["breakdown"]) >= {"params", "grads", "optimizer", "activations",
+                                   "temporaries", "batch"}
+  with pytest.raises(errors.InvalidArgumentError, match="returning"):
+    cli.main(["estimate", "nofile:make_step"])
