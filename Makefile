@@ -26,6 +26,8 @@ bench: $(STAMP)
 	-$(PY) bench/plan_time.py
 	-$(PY) bench/compare_hand.py
 	-$(PY) bench/pipeline.py
+	-$(PY) bench/estimate.py
+	-$(PY) bench/tune.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -21,6 +21,9 @@ from jaxdist.methods import UniformStageOption as UniformStageOption
 from jaxdist.methods import Zero2Parallel as Zero2Parallel
 from jaxdist.methods import Zero3Parallel as Zero3Parallel
 from jaxdist.pipeline.layers import AutoLayerOption as AutoLayerOption
+from jaxdist.tune import Trial as Trial
+from jaxdist.tune import TuneReport as TuneReport
+from jaxdist.tune import tune as tune
 from jaxdist.pipeline.layers import automatic_layer_construction as automatic_layer_construction
 from jaxdist.pipeline.layers import manual_layer_construction as manual_layer_construction
 from jaxdist.pipeline.layers import mark_pipeline_boundary as mark_pipeline_boundary
@@ -39,6 +42,8 @@ __all__ = [
     "PipeshardParallel",
     "Plan",
     "ShardParallel",
+    "Trial",
+    "TuneReport",
     "UniformStageOption",
     "Zero2Parallel",
     "Zero3Parallel",
@@ -51,5 +56,6 @@ __all__ = [
     "calibrate",
     "manual_layer_construction",
     "mark_pipeline_boundary",
+    "tune",
     "value_and_grad",
 ]

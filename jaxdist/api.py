@@ -112,6 +112,7 @@ class ParallelizedFunc:
     self.donate_argnums = _argnums("donate_argnums", donate_argnums, allow_auto=True)
     self.batch_argnums = _argnums("batch_argnums", batch_argnums, allow_auto=False)
     self._executables: dict[Any, Executable] = {}
+    self._planned: dict[Any, Planned] = {}  # plans made by planned(), used by the compile
     self._logical_mesh = None
     functools.update_wrapper(self, fun)
 
@@ -125,19 +126,26 @@ class ParallelizedFunc:
 
   def _lookup(self, args):
     static = self._static_argnums(args)
+    dyn_leaves, key = self._key(args, static)
+    exe = None if key is None else self._executables.get(key)
+    if exe is None:
+      exe = self._compile(args, static, self._planned.pop(key, None) if key else None)
+      if key is not None:
+        self._executables[key] = exe
+    return exe, dyn_leaves
+
+  def _key(self, args, static):
+    """(dynamic leaves, the cache key of their signature), or a None key for arguments
+    that cannot be hashed (an unhashable static, a non-array leaf: _compile reports it)."""
     dyn_leaves, dyn_tree = tree_util.tree_flatten(
         tuple(a for i, a in enumerate(args) if i not in static))
     try:
       key = (len(args), static, tuple(args[i] for i in static), dyn_tree,
              tuple(leaf_signature(x) for x in dyn_leaves))
-      exe = self._executables.get(key)
+      hash(key)
     except (TypeError, AttributeError):
-      key, exe = None, None  # an unhashable static or a non-array leaf: _compile reports it
-    if exe is None:
-      exe = self._compile(args, static)
-      if key is not None:
-        self._executables[key] = exe
-    return exe, dyn_leaves
+      key = None
+    return dyn_leaves, key
 
   def _static_argnums(self, args) -> tuple[int, ...]:
     for b in self.batch_argnums:
@@ -169,7 +177,11 @@ class ParallelizedFunc:
     traced = self._trace_spmd(args, static, request)
     with recomputing(request):
       step, layout, shard_plan = self._plan(self.method, traced, args, static, self._mesh())
-    return Planned(traced, step, layout, shard_plan, static)
+    planned = Planned(traced, step, layout, shard_plan, static)
+    _, key = self._key(args, static)
+    if key is not None and key not in self._executables:
+      self._planned = {key: planned}  # the compile that follows starts from it
+    return planned
 
   def _request(self):
     return (None if self.method.recompute_modules is None else
@@ -190,7 +202,7 @@ class ParallelizedFunc:
             f"batch argument {b} ({args[b]!r:.60}) holds no arrays; batch arguments must be "
             f"arrays or pytrees of arrays with a leading batch dimension.")
 
-  def _compile(self, args, static):
+  def _compile(self, args, static, planned: Planned | None = None):
     self._check_args(args, static)
     lmesh = self._mesh()
     request = self._request()
@@ -211,20 +223,24 @@ class ParallelizedFunc:
                                         jaxpr_util.CALLS).micro_jaxpr
 
       return PipelineExecutable(self.method, step, lmesh, dyn_argnums, retrace)
-    traced = self._trace_spmd(args, static, request)
+    traced = planned.traced if planned else self._trace_spmd(args, static, request)
     with recomputing(request):
       method = self.method
       budget = (method.options.memory_budget_per_device
                 if isinstance(method, m.ShardParallel) else None)
       for attempt in range(BUDGET_RETRIES + 1):
         try:
-          result = self._plan_and_compile(method, traced, args, static, lmesh)
+          if attempt == 0 and planned is not None:
+            result = planned.step, planned.layout, planned.shard_plan
+          else:
+            result = self._plan(method, traced, args, static, lmesh)
         except errors.InfeasiblePlanError:
           if attempt == 0:
             raise
           attempt -= 1  # no plan meets the tighter budget: keep the last one
           break
-        step, compiled, layout, shard_plan = result
+        step, layout, shard_plan = result
+        compiled = compile_layout(step, layout)
         used = allocation_bytes(compiled)
         if budget is None or used <= budget or attempt == BUDGET_RETRIES:
           break
@@ -258,11 +274,6 @@ class ParallelizedFunc:
             f"signature).")
       request.check_all_matched(self.method.name)
     return traced
-
-  def _plan_and_compile(self, method, step, args, static, lmesh):
-    """Plans ``step`` and compiles it (inside the caller's recomputation context)."""
-    step, layout, shard_plan = self._plan(method, step, args, static, lmesh)
-    return step, compile_layout(step, layout), layout, shard_plan
 
   def _plan(self, method, step, args, static, lmesh):
     """Plans ``step`` with ``method`` (a fixed layout or the shard planner) and traces it

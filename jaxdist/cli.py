@@ -44,6 +44,22 @@ def main(argv: list[str] | None = None) -> int:
   est.add_argument("--devices", type=int, default=8,
                    help="simulated CPU devices when no accelerator is present (default 8)")
   est.add_argument("--json", action="store_true", help="print the result as JSON")
+  tune = sub.add_parser("tune", help="try the methods on a step (DataParallel, ZeRO, "
+                        "ShardParallel meshes, accumulation, pipelines) and report the best")
+  tune.add_argument("target", help="path/to/script.py:make_step, a function returning "
+                    "(step, args)")
+  tune.add_argument("--budget", default=None, help="memory budget per device, e.g. 45MB")
+  tune.add_argument("--steps", type=int, default=3, help="timed steps per trial")
+  tune.add_argument("--methods", default=None,
+                    help="try only these, e.g. dp,zero2,zero3,shard,shard:2x4")
+  tune.add_argument("--time-budget", type=float, default=None, help="seconds for the walk")
+  tune.add_argument("--csv", default=None, help="write every trial as CSV")
+  tune.add_argument("--failures-csv", default=None, help="write the failed/skipped trials")
+  tune.add_argument("--json", default=None, help="write the report as JSON")
+  tune.add_argument("--plot", default=None, help="write step time vs memory as PNG")
+  tune.add_argument("--quiet", action="store_true", help="print only the final table")
+  tune.add_argument("--devices", type=int, default=8,
+                    help="simulated CPU devices when no accelerator is present (default 8)")
   args = parser.parse_args(argv)
 
   if args.command == "demo":
@@ -63,6 +79,12 @@ def main(argv: list[str] | None = None) -> int:
 
     return estimate_cli.main(args.target, args.model, args.method, args.micro_batches,
                              args.recompute, args.compile, args.calibrate, args.json)
+  if args.command == "tune":
+    _cpu_devices(args.devices)
+    from jaxdist.tune import cli as tune_cli
+
+    return tune_cli.main(args.target, args.budget, args.steps, args.methods, args.time_budget,
+                         args.csv, args.failures_csv, args.json, args.plot, args.quiet)
   return 2
 
 

@@ -223,10 +223,10 @@ def _parts(timeline: Timeline, labels: dict, forward_end: int) -> dict[str, floa
   return parts
 
 
-def _forward_end(timeline: Timeline, jaxpr, marker) -> int:
-  """The position of the last equation computing the loss (the marker's value), or the
-  position of the first dot reading a value computed from a dot's cotangent… which
-  without a marker is approximated by the middle of the program."""
+def _forward_end(timeline: Timeline, marker) -> int:
+  """The position of the last equation computing the loss (the marker's value operands);
+  without a marker, the middle of the program (values made before it count as
+  activations)."""
   if marker is not None:
     produced = {}
     for i, (eqn, _, outs) in enumerate(timeline.eqns):
@@ -321,7 +321,7 @@ def _split_step(planned, closed, size=nbytes, gathered_inputs=None):
     notes.append("the step computes gradients with jax.grad (not jaxdist.grad), so they are "
                  "not known by name: the gradient all-reduce's results are counted at the "
                  "backward's peak")
-  temps = _parts(timeline, labels, _forward_end(timeline, jaxpr, marker))
+  temps = _parts(timeline, labels, _forward_end(timeline, marker))
   flops = k * sum(jaxpr_util.eqn_flops(e) for e, _, _ in timeline.eqns)
   written = k * sum(b for _, _, b in timeline.buffers.values())
   return _Work(temps, flops, written, tuple(notes))
@@ -372,7 +372,7 @@ def _shard_parallel(planned):
     timeline.add(("collective", k, kind, len(timeline.buffers)), pos, pos, b)
   marker = next((e for e, _, _ in timeline.eqns
                  if e.primitive.name == jaxpr_util.IDENTITY_MARKER), None)
-  temps = _parts(timeline, {}, _forward_end(timeline, jaxpr, marker))
+  temps = _parts(timeline, {}, _forward_end(timeline, marker))
   return _Work(temps, _planned_flops(plan), written)
 
 

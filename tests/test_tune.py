@@ -1,0 +1,157 @@
+"""jd.tune: trials classified (ok, oom by budget, oom at run time, skipped by estimate,
+error, time budget), saved (CSV, JSON, plot) and reproducible; `jaxdist tune`."""
+
+import csv
+import json
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jaxdist as jd
+from jaxdist import cli, executable, models
+from jaxdist.tune import walk
+from jaxdist.tune.report import COLUMNS
+
+
+def _workload():
+  data = models.regression_batch(32, 128, out=128)
+  state = models.create_state(models.MLP(hidden=128, num_layers=3, out=128), data["x"],
+                              tx=optax.adam(1e-3))
+  return models.regression_step(jd.value_and_grad), state, data
+
+
+def _dp_bytes(step, state, data):
+  return jd.parallelize(step, method=jd.DataParallel()).get_executable(
+      state, data).get_total_allocation_size()
+
+
+def test_trials_are_classified_against_the_budget():
+  step, state, data = _workload()
+  dp = _dp_bytes(step, state, data)
+  before = jax.tree.map(np.asarray, (state, data))
+  # DataParallel's estimate is within the skip margin of this budget, so it compiles and
+  # is over it: oom without running. ZeRO-3 fits.
+  report = jd.tune(step, state, data, memory_budget_per_device=0.9 * dp, steps=1,
+                   candidates=[jd.DataParallel(), jd.Zero3Parallel()], progress=False)
+  dp_trial, z3 = report.trials
+  assert dp_trial.status == "oom" and "budget" in dp_trial.reason
+  assert dp_trial.memory_bytes == dp and dp_trial.step_time_s is None
+  assert z3.status == "ok" and z3.step_time_s > 0 and z3.memory_bytes <= 0.9 * dp
+  assert report.best_trial is z3 and isinstance(report.best_method, jd.Zero3Parallel)
+  # The caller's arguments are untouched (copied per trial, never donated).
+  jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, (state, data)))
+  # Far over the budget by its estimate: skipped without compiling.
+  report = jd.tune(step, state, data, memory_budget_per_device=0.5 * dp, steps=1,
+                   candidates=[jd.DataParallel()], progress=False)
+  (trial,) = report.trials
+  assert trial.status == "skipped" and "estimated" in trial.reason
+  assert trial.compile_s is None and trial.estimated_memory_bytes == pytest.approx(dp, rel=0.02)
+
+
+def test_runtime_out_of_memory_and_compile_errors_are_classified(monkeypatch):
+  step, state, data = _workload()
+
+  def exhausted(self, leaves):
+    raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to "
+                                     "allocate 1.00GiB.")
+
+  monkeypatch.setattr(executable.Executable, "call_flat", exhausted)
+  (trial,) = jd.tune(step, state, data, steps=1, candidates=[jd.DataParallel()],
+                     progress=False).trials
+  assert trial.status == "oom" and "RESOURCE_EXHAUSTED" in trial.reason
+  assert trial.memory_bytes is not None
+  monkeypatch.undo()
+
+  def broken(step, layout):
+    raise RuntimeError("INTERNAL: the compiler failed\nsecond line")
+
+  monkeypatch.setattr("jaxdist.api.compile_layout", broken)
+  report = jd.tune(step, state, data, steps=1, candidates=[jd.Zero2Parallel()], progress=False)
+  (trial,) = report.trials
+  assert trial.status == "error" and trial.reason == "RuntimeError: INTERNAL: the compiler failed"
+  assert report.best_trial is None
+
+
+def test_a_candidate_that_does_not_apply_is_skipped_and_the_time_budget_stops_the_walk():
+  step, state, data = _workload()
+  report = jd.tune(step, state, data, steps=1, progress=False,
+                   candidates=[jd.DataParallel(num_micro_batches=3)])
+  (trial,) = report.trials
+  assert trial.status == "skipped" and "num_micro_batches=3" in trial.reason
+  report = jd.tune(step, state, data, steps=1, time_budget_s=0.0, progress=False,
+                   candidates=[jd.DataParallel(), jd.Zero2Parallel()])
+  assert [t.status for t in report.trials] == ["skipped", "skipped"]
+  assert all("time_budget_s" in t.reason for t in report.trials)
+
+
+def test_reports_save_load_plot_and_reproduce(tmp_path):
+  step, state, data = _workload()
+  report = jd.tune(step, state, data, steps=1, progress=False, candidates=[
+      jd.DataParallel(), jd.ShardParallel(logical_mesh_shape=(2, 4)),
+      jd.Zero2Parallel(num_micro_batches=3)])
+  assert [t.name for t in report.trials] == ["DataParallel", "ShardParallel(2x4)",
+                                             "Zero2Parallel k=3"]
+  report.to_csv(tmp_path / "all.csv")
+  report.failures_csv(tmp_path / "failures.csv")
+  with open(tmp_path / "all.csv") as f:
+    rows = list(csv.DictReader(f))
+  assert tuple(rows[0]) == COLUMNS and len(rows) == 3
+  assert float(rows[1]["memory_bytes"]) > 0 and rows[1]["mesh_shape"] == "2x4"
+  assert rows[2]["status"] == "skipped" and rows[2]["step_time_s"] == ""
+  with open(tmp_path / "failures.csv") as f:
+    assert [r["name"] for r in csv.DictReader(f)] == ["Zero2Parallel k=3"]
+  report.to_json(tmp_path / "report.json")
+  loaded = jd.TuneReport.load(tmp_path / "report.json")
+  assert [(t.name, t.status, t.step_time_s) for t in loaded.trials] == [
+      (t.name, t.status, t.step_time_s) for t in report.trials]
+  report.plot(tmp_path / "report.png")
+  assert (tmp_path / "report.png").read_bytes()[:4] == b"\x89PNG"
+  # The ShardParallel trial's method carries its plan: compiling it again (from the
+  # loaded report too) gives the same shardings without a search.
+  shard = report.trials[1]
+  for method in (shard.method, loaded.trials[1].method):
+    assert method.plan is not None
+    exe = jd.parallelize(step, method=method).get_executable(state, data)
+    assert exe.plan.inputs == method.plan.inputs
+
+
+def test_the_guide_walks_every_stage_in_order(monkeypatch):
+  """The walk's order and names (trials stubbed: this checks the candidates, not XLA)."""
+  seen = []
+
+  def record(self, name, method):
+    seen.append(name)
+    ok = name in ("Zero2Parallel", "ShardParallel(2x4)")
+    return jd.Trial(name, method, "ok" if ok else "oom", step_time_s=1.0 + len(seen) if ok
+                    else None, memory_bytes=1.0)
+
+  monkeypatch.setattr(walk._Walk, "_trial", record)
+  report = jd.tune(lambda s, b: (s, b), {}, {}, progress=False)
+  assert seen == ["DataParallel", "Zero2Parallel", "Zero3Parallel", "ShardParallel(8)",
+                  "ShardParallel(2x4)", "ShardParallel(4x2)", "Zero2Parallel k=2",
+                  "Zero2Parallel k=4", "Zero2Parallel k=8",
+                  "PipeshardParallel(layers=2, stages=2, k=4)",
+                  "PipeshardParallel(layers=4, stages=2, k=4)",
+                  "PipeshardParallel(layers=4, stages=4, k=4)",
+                  "PipeshardParallel(layers=4, stages=auto, k=4)"]
+  assert len(report.trials) == len(seen)
+
+
+def test_jaxdist_tune_command(tmp_path, capsys):
+  script = tmp_path / "make.py"
+  script.write_text(
+      "import optax\nimport jaxdist as jd\nfrom jaxdist import models\n"
+      "def make_step():\n"
+      "  data = models.regression_batch(32, 64, out=64)\n"
+      "  state = models.create_state(models.MLP(hidden=64, num_layers=2, out=64), data['x'],"
+      " tx=optax.sgd(0.1))\n"
+      "  return models.regression_step(jd.value_and_grad), (state, data)\n")
+  code = cli.main(["tune", f"{script}:make_step", "--methods", "dp,zero3", "--steps", "1",
+                   "--budget", "10MB", "--json", str(tmp_path / "r.json"), "--csv",
+                   str(tmp_path / "r.csv"), "--quiet"])
+  out = capsys.readouterr().out
+  assert code == 0 and "<- best" in out and "budget 10.0 MB" in out
+  data = json.loads((tmp_path / "r.json").read_text())
+  assert [t["name"] for t in data["trials"]] == ["DataParallel", "Zero3Parallel"]
