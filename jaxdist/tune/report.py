@@ -158,8 +158,8 @@ class TuneReport:
     return cls(tuple(trials), data["memory_budget_per_device"], data["elapsed_s"])
 
   def plot(self, path) -> None:
-    """Step time against memory per device (PNG): every trial that compiled, the budget
-    line, the Pareto front joined and the best marked."""
+    """Step time against memory per device (PNG): every trial that compiled (those that
+    did not run, at 0 ms), the budget line, the Pareto front joined and the best marked."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -170,9 +170,7 @@ class TuneReport:
     for t in self.trials:
       if t.memory_bytes is None:
         continue
-      y = t.step_time_s * 1e3 if t.step_time_s is not None else None
-      if y is None:
-        y = (t.estimated_step_time_s or 0.0) * 1e3
+      y = t.step_time_s * 1e3 if t.step_time_s is not None else 0.0
       ax.scatter(t.memory_bytes / 1e6, y, color=colors[t.status],
                  marker="o" if t.status == "ok" else "x")
       ax.annotate(t.name, (t.memory_bytes / 1e6, y), fontsize=6, xytext=(3, 3),
@@ -189,7 +187,7 @@ class TuneReport:
       ax.axvline(self.memory_budget_per_device / 1e6, color="tab:red", linestyle="--",
                  label="memory budget")
     ax.set_xlabel("memory per device (MB, compiled)")
-    ax.set_ylabel("step time (ms; x: not run, at its estimate)")
+    ax.set_ylabel("step time (ms; x at 0: compiled, not run)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
