@@ -1,5 +1,6 @@
 """jaxdist: automatic parallelization of JAX training steps."""
 
+from jaxdist import checkpoint as checkpoint
 from jaxdist import errors as errors
 from jaxdist.api import ParallelizedFunc as ParallelizedFunc
 from jaxdist.api import parallelize as parallelize
@@ -12,7 +13,9 @@ from jaxdist.grad import value_and_grad as value_and_grad
 from jaxdist.launch import init_distributed as init_distributed
 from jaxdist.mesh import LogicalMesh as LogicalMesh
 from jaxdist.methods import AutoShardingOption as AutoShardingOption
+from jaxdist.methods import CreateStateParallel as CreateStateParallel
 from jaxdist.methods import DataParallel as DataParallel
+from jaxdist.methods import FollowParallel as FollowParallel
 from jaxdist.methods import ManualStageOption as ManualStageOption
 from jaxdist.methods import Method as Method
 from jaxdist.methods import PipeshardParallel as PipeshardParallel
@@ -32,9 +35,11 @@ from jaxdist.plan import Plan as Plan
 __all__ = [
     "AutoLayerOption",
     "AutoShardingOption",
+    "CreateStateParallel",
     "DataParallel",
     "Estimate",
     "Executable",
+    "FollowParallel",
     "LogicalMesh",
     "ManualStageOption",
     "Method",
@@ -54,6 +59,7 @@ __all__ = [
     "parallelize",
     "automatic_layer_construction",
     "calibrate",
+    "checkpoint",
     "manual_layer_construction",
     "mark_pipeline_boundary",
     "tune",

@@ -12,6 +12,7 @@ from typing import Any
 from jax import tree_util
 
 from jaxdist import errors
+from jaxdist import follow
 from jaxdist import jaxpr_util
 from jaxdist import methods as m
 from jaxdist.executable import Executable, allocation_bytes, compile_layout, make_plan
@@ -60,6 +61,10 @@ def parallelize(fun: Callable | None = None, *, method: m.Method | None = None,
     return functools.partial(parallelize, method=method, static_argnums=static_argnums,
                              donate_argnums=donate_argnums, batch_argnums=batch_argnums)
   return ParallelizedFunc(fun, method, static_argnums, donate_argnums, batch_argnums)
+
+
+def _as_tuple(value) -> tuple:
+  return value if isinstance(value, tuple) else (value,)
 
 
 def _argnums(name: str, value, allow_auto: bool):
@@ -117,8 +122,58 @@ class ParallelizedFunc:
     functools.update_wrapper(self, fun)
 
   def __call__(self, *args):
+    if isinstance(self.method, m.CreateStateParallel):
+      return self.method.train_step.create_state(self.fun, *args,
+                                                 other_args=_as_tuple(self.method.other_args))
     exe, dyn_leaves = self._lookup(args)
     return exe.call_flat(dyn_leaves)
+
+  def create_state(self, init_fn, *init_args, batch=None, other_args=None):
+    """Runs ``init_fn(*init_args)`` so that the state it returns is born in the layout this
+    step wants for its first argument (nothing is created on one device and moved).
+
+    The step is planned and compiled from abstract shapes (``jax.eval_shape`` of
+    ``init_fn``; nothing is allocated), and ``init_fn`` runs under ``jax.jit`` with the
+    plan's shardings as its output shardings. The first call of the step with the state
+    reuses that compilation.
+
+    Args:
+      init_fn: makes the state, e.g. ``lambda key: TrainState.create(...)``.
+      *init_args: its arguments.
+      batch: the step's second argument (an example batch; arrays or
+        ``jax.ShapeDtypeStruct``s), for a ``step(state, batch)``.
+      other_args: all of the step's arguments after the state, instead of ``batch``.
+    """
+    import jax
+
+    other = _as_tuple(other_args) if other_args is not None else (
+        () if batch is None else (batch,))
+    abstract = jax.eval_shape(init_fn, *init_args)
+    args = (abstract, *other)
+    static = self._static_argnums(args)
+    if 0 in static:
+      raise errors.InvalidArgumentError(
+          "create_state: init_fn returns no arrays, so it is not a state this step shards.")
+    exe = self.get_executable(*args)
+    shardings, tree = jax.tree.flatten(exe.input_shardings[0])
+    # One jit per device set (a pipeline's stages live on different sub-meshes); each
+    # computes only its own leaves (XLA drops the rest).
+    groups: dict = {}
+    for k, s in enumerate(shardings):
+      groups.setdefault(tuple(d.id for d in s.mesh.devices.flat), []).append(k)
+    leaves = [None] * len(shardings)
+    for members in groups.values():
+      def part(*a, members=members):
+        flat = jax.tree.leaves(init_fn(*a))
+        return [flat[k] for k in members]
+      made = jax.jit(part, out_shardings=[shardings[k] for k in members])(*init_args)
+      for k, x in zip(members, made):
+        leaves[k] = x
+    return jax.tree.unflatten(tree, leaves)
+
+  def last_executable(self):
+    """The executable compiled most recently (None before the first compile)."""
+    return next(reversed(self._executables.values()), None)
 
   def get_executable(self, *args) -> Executable:
     """The compiled step for these arguments (compiling it on first use)."""
@@ -279,6 +334,8 @@ class ParallelizedFunc:
     """Plans ``step`` with ``method`` (a fixed layout or the shard planner) and traces it
     again at the micro-batch size where the layout needs it; nothing is compiled."""
     shard_plan = None
+    if isinstance(method, m.FollowParallel):
+      method, lmesh = follow.shard_method(method, step)
     if isinstance(method, m.ShardParallel):
       shard_plan = plan_shard_parallel(method, step, lmesh)
       step, layout = shard_plan.step, shard_plan.layout

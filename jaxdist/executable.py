@@ -61,6 +61,8 @@ class Executable:
 
   Attributes:
     plan: the :class:`~jaxdist.plan.Plan` it was compiled from.
+    layout: the shardings it was compiled with (``jaxdist.layouts.Layout``).
+    traced_step: the traced step (inputs, roles, jaxpr) it was compiled from.
     input_shardings: pytree (of the dynamic arguments) of ``NamedSharding``.
     output_shardings: pytree (of the step's outputs) of ``NamedSharding``.
     auto_sharding_objective: the shard planner's objective in seconds, or None for
@@ -70,6 +72,8 @@ class Executable:
   def __init__(self, step: TracedStep, layout: Layout, compiled, plan: Plan,
                dyn_argnums: tuple[int, ...]):
     self._step = step
+    self.traced_step = step
+    self.layout = layout
     self._compiled = compiled
     self._dyn_argnums = dyn_argnums
     mesh = layout.logical_mesh.mesh

@@ -316,3 +316,57 @@ class PipeshardParallel(Method):
       raise errors.InvalidArgumentError(
           f"PipeshardParallel(pipeline_schedule={self.pipeline_schedule!r}) is not a known "
           f"schedule; valid: {', '.join(map(repr, SCHEDULES))}.")
+
+
+@_options
+class CreateStateParallel(Method):
+  """Creates a train state directly in the layout a train step wants (Alpa's name):
+  ``jd.parallelize(init_fn, method=jd.CreateStateParallel(train_step, (batch,)))(*init_args)``
+  is ``train_step.create_state(init_fn, *init_args, other_args=(batch,))``.
+
+  Args:
+    train_step: the :func:`jaxdist.parallelize`'d step whose first argument is the state.
+    other_args: the step's arguments after the state (arrays or ``ShapeDtypeStruct``s),
+      a tuple; a single non-tuple value is one argument.
+  """
+
+  train_step: Any = None
+  other_args: Any = ()
+  devices: Any = None
+  num_micro_batches: int | None = None
+  recompute_modules: str | None = None
+
+  def _validate(self):
+    from jaxdist.api import ParallelizedFunc
+
+    if not isinstance(self.train_step, ParallelizedFunc):
+      raise errors.InvalidArgumentError(
+          f"CreateStateParallel(train_step={self.train_step!r}): give the train step "
+          f"decorated with jaxdist.parallelize.")
+
+
+@_options
+class FollowParallel(Method):
+  """An evaluation step that keeps a train step's layout (Alpa's name): its arguments
+  that are the train step's (the state) get exactly the train step's shardings, so no
+  value is resharded between training and evaluation; batch arguments are split as the
+  train step splits its batch; the shard planner lays out the rest with those pinned.
+
+  Args:
+    src_func: the :func:`jaxdist.parallelize`'d train step, compiled already (called
+      once, or ``get_executable`` / ``create_state`` on it).
+  """
+
+  src_func: Any = None
+  devices: Any = None
+  num_micro_batches: int | None = None
+  recompute_modules: str | None = None
+
+  def _validate(self):
+    from jaxdist.api import ParallelizedFunc
+
+    Method._validate(self)
+    if not isinstance(self.src_func, ParallelizedFunc):
+      raise errors.InvalidArgumentError(
+          f"FollowParallel(src_func={self.src_func!r}): give the train step decorated with "
+          f"jaxdist.parallelize.")
