@@ -128,9 +128,13 @@ def test_the_guide_walks_every_stage_in_order(monkeypatch):
                     else None, memory_bytes=1.0)
 
   monkeypatch.setattr(walk._Walk, "_trial", record)
+  monkeypatch.setattr(walk._Walk, "param_paths", lambda self: [
+      "state.params['params']['MultiHeadDotProductAttention_0']['query']['kernel']"])
   report = jd.tune(lambda s, b: (s, b), {}, {}, progress=False)
   assert seen == ["DataParallel", "Zero2Parallel", "Zero3Parallel", "ShardParallel(8)",
-                  "ShardParallel(2x4)", "ShardParallel(4x2)", "Zero2Parallel k=2",
+                  "ShardParallel(2x4)", "ShardParallel(4x2)",
+                  "ShardParallel(2x4, megatron_attention)",
+                  "ShardParallel(4x2, megatron_attention)", "Zero2Parallel k=2",
                   "Zero2Parallel k=4", "Zero2Parallel k=8",
                   "PipeshardParallel(layers=2, stages=2, k=4)",
                   "PipeshardParallel(layers=4, stages=2, k=4)",

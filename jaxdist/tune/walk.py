@@ -3,7 +3,10 @@
 The guide's order, each stage informed by the last: DataParallel; Zero2Parallel (does
 the optimizer state's share drop the memory?); Zero3Parallel; ShardParallel on every
 logical mesh shape; the best so far with gradient accumulation (2, 4, 8 micro-batches at
-the same global batch); PipeshardParallel over layer and stage counts. Each candidate is
+the same global batch); PipeshardParallel over layer and stage counts. Between the mesh
+shapes and accumulation, the partition-constraint presets of ``strategies/presets`` that
+match the step's parameters (Megatron-style attention, expert parallelism) are tried on
+each 2-D mesh. Each candidate is
 estimated first (``jaxdist.estimate``) and skipped without compiling when the estimate
 exceeds the budget by more than :data:`SKIP_MARGIN` (the estimator's error is smaller);
 then compiled, held to the budget by XLA's own figure, run ``steps`` times and timed.
@@ -26,8 +29,11 @@ import jax
 from jaxdist import errors
 from jaxdist import methods as m
 from jaxdist import progress
+from jaxdist.mesh import LogicalMesh
 from jaxdist.pipeline.layers import AutoLayerOption
 from jaxdist.shard.planner import candidate_shapes
+from jaxdist.trace import PARAM, trace_step
+from jaxdist.tune.presets import load_presets
 from jaxdist.tune.report import Trial, TuneReport
 
 SKIP_MARGIN = 0.25
@@ -106,12 +112,13 @@ def _with_devices(method, devices):
 
 
 def _num_devices(devices) -> int:
-  from jaxdist.mesh import LogicalMesh
   return LogicalMesh.from_devices(devices).num_devices
 
 
 def _guide_size(devices) -> int:
-  return 3 + len(candidate_shapes(_num_devices(devices))) + len(MICRO_BATCHES) + len(PIPELINES)
+  shapes = candidate_shapes(_num_devices(devices))
+  return (3 + len(shapes) + len(load_presets()) * sum(len(s) == 2 for s in shapes)
+          + len(MICRO_BATCHES) + len(PIPELINES))
 
 
 def _guide(walk, devices):
@@ -124,6 +131,21 @@ def _guide(walk, devices):
   for shape in candidate_shapes(_num_devices(devices)):
     yield (f"ShardParallel({'x'.join(map(str, shape))})",
            m.ShardParallel(devices=devices, logical_mesh_shape=shape, auto_sharding_option=option))
+  # Named presets (strategies/presets): the planner with some leaves pinned, per 2-D shape.
+  base_mesh = LogicalMesh.from_devices(devices)
+  for preset in load_presets():
+    constraints = preset.matching(walk.param_paths())
+    if not constraints:
+      continue
+    for shape in candidate_shapes(base_mesh.num_devices):
+      if len(shape) != 2:
+        continue
+      lmesh = LogicalMesh(shape, axis_names=preset.axis_names, alpha=max(base_mesh.alpha),
+                          beta=max(base_mesh.beta), devices=base_mesh.devices,
+                          peak_flops=base_mesh.peak_flops)
+      yield (f"ShardParallel({'x'.join(map(str, shape))}, {preset.name})",
+             m.ShardParallel(devices=lmesh, auto_sharding_option=dataclasses.replace(
+                 option, partition_constraints=constraints)))
   # Accumulation on the best so far (or, if nothing fit, the smallest that compiled:
   # accumulation is what shrinks activations).
   ok = [t for t in walk.trials if t.status == "ok"]
@@ -165,6 +187,21 @@ class _Walk:
     self.budget, self.steps, self.show = budget, steps, show
     self.trials: list[Trial] = []
     self.origin: dict[str, object] = {}  # trial name → the method as generated
+    self._paths = None
+
+  def param_paths(self) -> list[str]:
+    """The step's parameter leaf paths (traced once; [] if it cannot be traced)."""
+    if self._paths is None:
+      from jaxdist.api import ParallelizedFunc
+
+      func = ParallelizedFunc(self.fun, m.DataParallel(), *self.argnums)
+      try:
+        traced = trace_step(self.fun, self.args, func._static_argnums(self.args),
+                            func.batch_argnums, func.donate_argnums)
+        self._paths = [leaf.path for leaf in traced.inputs if leaf.role == PARAM]
+      except errors.JaxdistError:
+        self._paths = []
+    return self._paths
 
   def add(self, trial: Trial) -> None:
     self.trials.append(trial)
