@@ -258,6 +258,10 @@ class ParallelizedFunc:
             f"arrays or pytrees of arrays with a leading batch dimension.")
 
   def _compile(self, args, static, planned: Planned | None = None):
+    if isinstance(self.method, m.CreateStateParallel):
+      raise errors.InvalidArgumentError(
+          "a function parallelized with CreateStateParallel is called to create the state; "
+          "it has no executable of its own (the train step's is train_step.get_executable).")
     self._check_args(args, static)
     lmesh = self._mesh()
     request = self._request()
