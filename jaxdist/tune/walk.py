@@ -8,7 +8,8 @@ shapes and accumulation, the partition-constraint presets of ``strategies/preset
 match the step's parameters (Megatron-style attention, expert parallelism) are tried on
 each 2-D mesh. Each candidate is
 estimated first (``jaxdist.estimate``) and skipped without compiling when the estimate
-exceeds the budget by more than :data:`SKIP_MARGIN` (the estimator's error is smaller);
+exceeds the budget by more than :data:`SKIP_MARGIN` (the estimator's error is smaller;
+an estimate marked ``approximate`` never skips);
 then compiled, held to the budget by XLA's own figure, run ``steps`` times and timed.
 Failures are classified, never raised: over the budget or out of memory at run time →
 ``oom``; a compile or run failure → ``error``; a candidate that does not apply (a batch
@@ -244,7 +245,8 @@ class _Walk:
         return Trial(name, method, "oom", reason=_first_line(e))
       except errors.JaxdistError as e:
         return Trial(name, method, "skipped", reason=_first_line(e))
-      if budget is not None and est_bytes > budget * (1 + SKIP_MARGIN):
+      if (budget is not None and not est.approximate
+          and est_bytes > budget * (1 + SKIP_MARGIN)):
         return Trial(name, method, "skipped", reason=(
             f"estimated {est_bytes / 1e6:.1f} MB per device > budget {budget / 1e6:.1f} MB "
             f"by more than {SKIP_MARGIN:.0%}"), estimated_memory_bytes=est_bytes,
