@@ -73,3 +73,25 @@ def test_a_failing_process_fails_the_launch():
   code = "import os, sys; sys.exit(3 if os.environ['JAXDIST_PROCESS_ID'] == '1' else 0)"
   proc = _launch(sys.executable, "-c", code, timeout=60)
   assert proc.returncode == 3
+
+
+def test_train_example_resumes_from_a_two_process_checkpoint(tmp_path):
+  """examples/train_gpt.py (sharded creation, ShardParallel, FollowParallel evaluation,
+  orbax checkpoints): 10 steps on 2 processes, then resumed on 2 processes to 15, prints
+  the losses one process prints for 15 uninterrupted steps."""
+  example = os.path.join(HERE, "..", "examples", "train_gpt.py")
+  flags = ["--every", "5", "--checkpoints", str(tmp_path / "ckpt")]
+  first = _launch(sys.executable, example, "--steps", "10", *flags)
+  assert first.returncode == 0, first.stdout[-3000:]
+  resumed = _launch(sys.executable, example, "--steps", "15", "--resume", *flags)
+  assert resumed.returncode == 0, resumed.stdout[-3000:]
+  serial = subprocess.run([sys.executable, example, "--steps", "15", "--every", "5",
+                           "--checkpoints", str(tmp_path / "serial")],
+                          capture_output=True, text=True, timeout=300)
+  assert serial.returncode == 0, serial.stderr[-3000:]
+
+  def reports(stdout, prefix=""):
+    return [l[len(prefix):] for l in stdout.splitlines() if l.startswith(prefix + "step ")]
+
+  assert reports(first.stdout, "[0] ") + reports(resumed.stdout, "[0] ") == reports(serial.stdout)
+  assert len(reports(serial.stdout)) == 3
