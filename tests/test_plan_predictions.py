@@ -27,18 +27,18 @@ TWO_LEVEL = dict(alpha=(20e-6, 10e-6), beta=(1 / 25e9, 1 / 450e9))
 CONFIG = models.GPTConfig(vocab=256, width=64, heads=4, depth=2, seq_len=32)
 
 
-def _lm(model_cls, tx=None):
+def _lm(model_cls, tx=None, value_and_grad=jax.value_and_grad):
   batch = models.token_batch(16, CONFIG)
   state = models.create_state(model_cls(CONFIG), batch["tokens"][:, :-1],
                               tx=tx or optax.adam(1e-3))
-  return models.lm_step(), state, batch
+  return models.lm_step(value_and_grad), state, batch
 
 
-def _mlp():
+def _mlp(value_and_grad=jax.value_and_grad):
   data = models.regression_batch(32, 64, out=64)
   state = models.create_state(models.MLP(hidden=64, num_layers=3, out=64), data["x"],
                               tx=optax.adam(1e-3))
-  return models.regression_step(), state, data
+  return models.regression_step(value_and_grad), state, data
 
 
 def _mesh(shape, costs):
@@ -68,6 +68,19 @@ def test_predicted_collectives_match_the_compiled_module(workload, shape, costs)
   step, state, batch = workload()
   exe = jd.parallelize(step, method=jd.ShardParallel(devices=_mesh(shape, costs))).get_executable(
       state, batch)
+  _assert_predicted_as_compiled(exe)
+
+
+@pytest.mark.parametrize("workload,shape,k", [
+    (lambda: _mlp(jd.value_and_grad), (2, 4), 4),
+    (lambda: _lm(models.GPT, value_and_grad=jd.value_and_grad), (2, 4), 4),
+], ids=["mlp-2x4-k4", "gpt-2x4-k4"])
+def test_predictions_with_micro_batches(workload, shape, k):
+  """The gradient part runs k times in a loop: its collectives are counted k times (XLA
+  counts a loop's body per trip), except the gradient and loss reductions after it."""
+  step, state, batch = workload()
+  exe = jd.parallelize(step, method=jd.ShardParallel(
+      devices=_mesh(shape, {}), num_micro_batches=k)).get_executable(state, batch)
   _assert_predicted_as_compiled(exe)
 
 

@@ -142,12 +142,16 @@ class Members:
                  combining.threshold_bytes, combining.threshold_count)
 
 
-def predict(graph, choice, cost_model: CostModel) -> dict[str, dict[str, float]]:
+def predict(graph, choice, cost_model: CostModel,
+            repeat=lambda node, kind, axes: 1) -> dict[str, dict[str, float]]:
   """kind → {"count", "result_bytes"} per step of a solved plan, combined as XLA does.
 
   ``count`` is, per kind and mesh axes, the longest chain of collectives that depend on
   each other along the data flow (where XLA combines that kind), else one per
   collective; never fewer than the byte and operand thresholds need.
+  ``repeat(node, kind, axes)``: how many times a node's collective runs per step (the
+  gradient part of a step with micro-batches runs once per micro-batch, on a 1/k slice
+  of the batch: k times as many ops, the same bytes).
   """
   combining = cost_model.combining
   sizes = cost_model.axis_sizes
@@ -168,14 +172,14 @@ def predict(graph, choice, cost_model: CostModel) -> dict[str, dict[str, float]]
     if kind in combining.kinds:
       weight = defaultdict(int)
       for k, _ in entries:
-        weight[k] += 1
+        weight[k] += repeat(k, kind, axes)
       chain = np.zeros(len(graph.nodes), dtype=np.int64)
       for k in range(len(graph.nodes)):
         chain[k] = max((chain[p] for p in preds[k]), default=0) + weight[k]
       count = max(int(chain.max()), math.ceil(total / combining.threshold_bytes),
                   math.ceil(len(entries) / combining.threshold_count))
     else:
-      count = len(entries)
+      count = sum(repeat(k, kind, axes) for k, _ in entries)
     entry = out.setdefault(kind, {"count": 0, "result_bytes": 0.0})
     entry["count"] += count
     entry["result_bytes"] += total

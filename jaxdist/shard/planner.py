@@ -33,9 +33,17 @@ from jaxdist.shard.solver import MemoryConstraint, Solution, solve_ilp
 from jaxdist.shard.specs import (DimAxes, divides, enumerate_specs, from_partition_spec,
                                  num_shards, to_partition_spec)
 from jaxdist.shard.strategies import nbytes
+from jaxdist.grad import GRAD
 from jaxdist.trace import BATCH, OPTIMIZER, PARAM, TracedStep, inline_keeping_marker
 
 MEMORY_CHECK_POINTS = 8
+# Between a gradient's producing dot or sum and the gradient marker: additions, casts,
+# reshapes and the pads that transpose slices (walked freely), and sums of sums.
+GRADIENT_PLUMBING = frozenset("add_any add convert_element_type reshape transpose squeeze "
+                              "expand_dims broadcast_in_dim pad concatenate".split())
+SUM_PLUMBING = frozenset("reshape squeeze expand_dims convert_element_type reduce_sum".split())
+# Between the loss's final sum and the marker: the mean's division, casts, reshapes.
+VALUE_PLUMBING = frozenset("div mul convert_element_type reshape squeeze".split())
 log = logging.getLogger("jaxdist.plan")
 
 
@@ -186,8 +194,53 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep,
                + (f"{why} (no shape search)" if why else
                   f"the lowest predicted step time of {len(shapes)} shapes searched"))
   layout = layout_of(step, best, k)
+  if k > 1:
+    predicted = combine.predict(best.graph, best.solution.choice, best.cost_model,
+                                _micro_batch_repeats(step, best.graph, layout.batch_axes, k))
+    notes.append(f"num_micro_batches={k}: the gradient part's collectives run {k} times (on "
+                 f"1/{k} of the batch each); gradients are reduced once, after the loop")
   layout = dataclasses.replace(layout, notes=layout.notes + tuple(notes))
   return ShardPlanResult(step, layout, best.solution.objective, objectives, predicted, best)
+
+
+def _micro_batch_repeats(step: TracedStep, graph: StrategyGraph, batch_axes, k: int):
+  """``repeat`` for :func:`combine.predict` with ``k`` micro-batches: a collective of an
+  equation the gradients depend on runs once per micro-batch, except the reduction of
+  gradients over the batch axes (accumulated locally, reduced once after the loop)."""
+  jaxpr = step.closed_jaxpr.jaxpr
+  marker = jaxpr.eqns[step.marker_index]
+  looped = {id(jaxpr.eqns[i]) for i in jaxpr_util.needed_eqns(jaxpr, marker.invars)}
+  # The equations making the gradients and the loss (a weight gradient's dot, a bias
+  # gradient's sum, the loss's sum, and what lies between them and the marker): XLA
+  # keeps their partial sums unreduced through the loop and reduces once after it.
+  producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+  making = set()
+  todo = [(v, GRADIENT_PLUMBING if kind == GRAD else VALUE_PLUMBING)
+          for v, kind in zip(marker.invars, marker.params["kinds"])
+          if not isinstance(v, jex.Literal)]
+  while todo:
+    v, through = todo.pop()
+    e = producer.get(v)
+    if e is None or id(e) in making:
+      continue
+    making.add(id(e))
+    name = e.primitive.name
+    if name == "reduce_sum" or (through is SUM_PLUMBING and name in SUM_PLUMBING):
+      through = SUM_PLUMBING  # a sum: follow only sums of sums
+    elif name not in through:
+      continue
+    todo += [(u, through) for u in e.invars if not isinstance(u, jex.Literal)]
+  batch = set(batch_axes)
+
+  def repeat(node, kind, axes):
+    eqn = graph.nodes[node].eqn
+    if eqn is None or id(eqn) not in looped:
+      return 1
+    if kind in ("all-reduce", "reduce-scatter") and (id(eqn) in making or set(axes) <= batch):
+      return 1
+    return k
+
+  return repeat
 
 
 def communication_seconds(plan: MeshPlan) -> float:
