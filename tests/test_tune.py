@@ -123,7 +123,8 @@ def test_the_guide_walks_every_stage_in_order(monkeypatch):
 
   def record(self, name, method):
     seen.append(name)
-    ok = name in ("Zero2Parallel", "ShardParallel(2x4)")
+    ok = name in ("Zero2Parallel", "ShardParallel(2x4)",
+                  "PipeshardParallel(layers=4, stages=4, k=4)")
     return jd.Trial(name, method, "ok" if ok else "oom", step_time_s=1.0 + len(seen) if ok
                     else None, memory_bytes=1.0)
 
@@ -139,7 +140,8 @@ def test_the_guide_walks_every_stage_in_order(monkeypatch):
                   "PipeshardParallel(layers=2, stages=2, k=4)",
                   "PipeshardParallel(layers=4, stages=2, k=4)",
                   "PipeshardParallel(layers=4, stages=4, k=4)",
-                  "PipeshardParallel(layers=4, stages=auto, k=4)"]
+                  "PipeshardParallel(layers=4, stages=auto, k=4)",
+                  "PipeshardParallel(layers=4, stages=4, k=8)"]
   assert len(report.trials) == len(seen)
 
 

@@ -3,7 +3,8 @@
 The guide's order, each stage informed by the last: DataParallel; Zero2Parallel (does
 the optimizer state's share drop the memory?); Zero3Parallel; ShardParallel on every
 logical mesh shape; the best so far with gradient accumulation (2, 4, 8 micro-batches at
-the same global batch); PipeshardParallel over layer and stage counts. Between the mesh
+the same global batch); PipeshardParallel over layer and stage counts, and the fastest
+pipeline with more micro-batches. Between the mesh
 shapes and accumulation, the partition-constraint presets of ``strategies/presets`` that
 match the step's parameters (Megatron-style attention, expert parallelism) are tried on
 each 2-D mesh. Each candidate is
@@ -42,9 +43,11 @@ SKIP_MARGIN = 0.25
 # MIP: a GPT's 2x4 solve took 74 s to prove optimal); the best plan found is used.
 SOLVER_TIME_LIMIT_S = 10.0
 MICRO_BATCHES = (2, 4, 8)
-# (layers, stages) of the pipeline candidates, each with PIPELINE_MICRO_BATCHES.
+# (layers, stages) of the pipeline candidates, each with PIPELINE_MICRO_BATCHES; then the
+# fastest of them with MORE_PIPELINE_MICRO_BATCHES (a smaller bubble, smaller micro-batches).
 PIPELINES = ((2, 2), (4, 2), (4, 4), (4, "auto"))
 PIPELINE_MICRO_BATCHES = 4
+MORE_PIPELINE_MICRO_BATCHES = 8
 
 
 def tune(step, *args, memory_budget_per_device: float | None = None, steps: int = 3,
@@ -119,7 +122,7 @@ def _num_devices(devices) -> int:
 def _guide_size(devices) -> int:
   shapes = candidate_shapes(_num_devices(devices))
   return (3 + len(shapes) + len(load_presets()) * sum(len(s) == 2 for s in shapes)
-          + len(MICRO_BATCHES) + len(PIPELINES))
+          + len(MICRO_BATCHES) + len(PIPELINES) + 1)
 
 
 def _guide(walk, devices):
@@ -166,6 +169,13 @@ def _guide(walk, devices):
                                layer_option=AutoLayerOption(layer_num=layers),
                                stage_option=stage_option,
                                default_auto_sharding_option=option))
+  pipelines = [t for t in walk.trials
+               if isinstance(t.method, m.PipeshardParallel) and t.status == "ok"]
+  if pipelines:
+    best = min(pipelines, key=lambda t: t.step_time_s)
+    k = MORE_PIPELINE_MICRO_BATCHES
+    yield (best.name.replace(f"k={PIPELINE_MICRO_BATCHES}", f"k={k}"),
+           dataclasses.replace(walk.origin[best.name], num_micro_batches=k))
 
 
 def _name(method) -> str:
