@@ -131,6 +131,7 @@ def test_the_guide_walks_every_stage_in_order(monkeypatch):
   monkeypatch.setattr(walk._Walk, "_trial", record)
   monkeypatch.setattr(walk._Walk, "param_paths", lambda self: [
       "state.params['params']['MultiHeadDotProductAttention_0']['query']['kernel']"])
+  monkeypatch.setattr(walk._Walk, "forward_matmuls", lambda self: 4)
   report = jd.tune(lambda s, b: (s, b), {}, {}, progress=False)
   assert seen == ["DataParallel", "Zero2Parallel", "Zero3Parallel", "ShardParallel(8)",
                   "ShardParallel(2x4)", "ShardParallel(4x2)",
@@ -143,6 +144,15 @@ def test_the_guide_walks_every_stage_in_order(monkeypatch):
                   "PipeshardParallel(layers=4, stages=auto, k=4)",
                   "PipeshardParallel(layers=4, stages=4, k=8)"]
   assert len(report.trials) == len(seen)
+  # A forward pass with 2 matrix multiplications is not cut into 4 layers.
+  seen.clear()
+  monkeypatch.setattr(walk._Walk, "forward_matmuls", lambda self: 2)
+  report = jd.tune(lambda s, b: (s, b), {}, {}, progress=False)
+  skipped = [t.name for t in report.trials if "matrix multiplications" in t.reason]
+  assert skipped == ["PipeshardParallel(layers=4, stages=2, k=4)",
+                     "PipeshardParallel(layers=4, stages=4, k=4)",
+                     "PipeshardParallel(layers=4, stages=auto, k=4)"]
+  assert all(t.status == "skipped" for t in report.trials if t.name in skipped)
 
 
 def test_jaxdist_tune_command(tmp_path, capsys):

@@ -3,8 +3,9 @@
 The guide's order, each stage informed by the last: DataParallel; Zero2Parallel (does
 the optimizer state's share drop the memory?); Zero3Parallel; ShardParallel on every
 logical mesh shape; the best so far with gradient accumulation (2, 4, 8 micro-batches at
-the same global batch); PipeshardParallel over layer and stage counts, and the fastest
-pipeline with more micro-batches. Between the mesh
+the same global batch); PipeshardParallel over layer and stage counts (layer counts the
+forward pass has enough matrix multiplications for), and the fastest pipeline with more
+micro-batches. Between the mesh
 shapes and accumulation, the partition-constraint presets of ``strategies/presets`` that
 match the step's parameters (Megatron-style attention, expert parallelism) are tried on
 each 2-D mesh. Each candidate is
@@ -29,6 +30,7 @@ import warnings
 import jax
 
 from jaxdist import errors
+from jaxdist import jaxpr_util
 from jaxdist import methods as m
 from jaxdist import progress
 from jaxdist.mesh import LogicalMesh
@@ -164,11 +166,17 @@ def _guide(walk, devices):
     yield f"{base.name} k={k}", dataclasses.replace(origin, num_micro_batches=k)
   for layers, stages in PIPELINES:
     stage_option = "auto" if stages == "auto" else m.UniformStageOption(num_stages=stages)
-    yield (f"PipeshardParallel(layers={layers}, stages={stages}, k={PIPELINE_MICRO_BATCHES})",
-           m.PipeshardParallel(devices=devices, num_micro_batches=PIPELINE_MICRO_BATCHES,
-                               layer_option=AutoLayerOption(layer_num=layers),
-                               stage_option=stage_option,
-                               default_auto_sharding_option=option))
+    name = f"PipeshardParallel(layers={layers}, stages={stages}, k={PIPELINE_MICRO_BATCHES})"
+    method = m.PipeshardParallel(devices=devices, num_micro_batches=PIPELINE_MICRO_BATCHES,
+                                 layer_option=AutoLayerOption(layer_num=layers),
+                                 stage_option=stage_option, default_auto_sharding_option=option)
+    matmuls = walk.forward_matmuls()
+    if matmuls is not None and matmuls < layers:
+      walk.add(Trial(name, method, "skipped", reason=(
+          f"the forward pass has about {matmuls} matrix multiplications; {layers} layers "
+          f"need at least {layers}")))
+      continue
+    yield name, method
   pipelines = [t for t in walk.trials
                if isinstance(t.method, m.PipeshardParallel) and t.status == "ok"]
   if pipelines:
@@ -198,21 +206,35 @@ class _Walk:
     self.budget, self.steps, self.show = budget, steps, show
     self.trials: list[Trial] = []
     self.origin: dict[str, object] = {}  # trial name → the method as generated
-    self._paths = None
+    self._traced = None
 
-  def param_paths(self) -> list[str]:
-    """The step's parameter leaf paths (traced once; [] if it cannot be traced)."""
-    if self._paths is None:
+  def traced(self):
+    """The step traced once (None if it cannot be traced: the trials will say why)."""
+    if self._traced is None:
       from jaxdist.api import ParallelizedFunc
 
       func = ParallelizedFunc(self.fun, m.DataParallel(), *self.argnums)
       try:
-        traced = trace_step(self.fun, self.args, func._static_argnums(self.args),
-                            func.batch_argnums, func.donate_argnums)
-        self._paths = [leaf.path for leaf in traced.inputs if leaf.role == PARAM]
+        self._traced = trace_step(self.fun, self.args, func._static_argnums(self.args),
+                                  func.batch_argnums, func.donate_argnums)
       except errors.JaxdistError:
-        self._paths = []
-    return self._paths
+        self._traced = False
+    return self._traced or None
+
+  def param_paths(self) -> list[str]:
+    """The step's parameter leaf paths ([] if it cannot be traced)."""
+    traced = self.traced()
+    return [] if traced is None else [l.path for l in traced.inputs if l.role == PARAM]
+
+  def forward_matmuls(self) -> int | None:
+    """About how many dots and convolutions the forward pass has (a third of the step's:
+    the backward has two per forward one); None if the step cannot be traced."""
+    traced = self.traced()
+    if traced is None:
+      return None
+    inlined = jaxpr_util.inline_calls(traced.closed_jaxpr, jaxpr_util.PLAN_CALLS)
+    return sum(e.primitive.name in ("dot_general", "conv_general_dilated")
+               for e in inlined.jaxpr.eqns) // 3
 
   def add(self, trial: Trial) -> None:
     self.trials.append(trial)
