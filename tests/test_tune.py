@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import jaxdist as jd
-from jaxdist import cli, executable, models
+from jaxdist import cli, errors, executable, models
 from jaxdist.tune import walk
 from jaxdist.tune.report import COLUMNS
 
@@ -171,3 +171,9 @@ def test_jaxdist_tune_command(tmp_path, capsys):
   assert code == 0 and "<- best" in out and "budget 10.0 MB" in out
   data = json.loads((tmp_path / "r.json").read_text())
   assert [t["name"] for t in data["trials"]] == ["DataParallel", "Zero3Parallel"]
+
+
+def test_a_candidate_that_is_not_a_method_is_refused_before_any_trial():
+  step, state, data = _workload()
+  with pytest.raises(errors.InvalidArgumentError, match="candidates"):
+    jd.tune(step, state, data, candidates=[jd.DataParallel(), "zero3"], progress=False)

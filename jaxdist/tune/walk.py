@@ -82,12 +82,18 @@ def tune(step, *args, memory_budget_per_device: float | None = None, steps: int 
     fun, argnums = step, ("auto", "auto", (1,))
   if steps < 1:
     raise errors.InvalidArgumentError(f"tune(steps={steps!r}): give at least 1 timed step.")
+  for method in candidates or ():
+    if not isinstance(method, m.Method):
+      raise errors.InvalidArgumentError(
+          f"tune(candidates=[..., {method!r}, ...]): every candidate must be a jaxdist method "
+          f"object such as jaxdist.DataParallel().")
   walk = _Walk(fun, args, argnums, memory_budget_per_device, steps, progress)
   start = time.perf_counter()
   given = None if candidates is None else [_with_devices(c, devices) for c in candidates]
   total = len(given) if given is not None else _guide_size(devices)
   with progress_bar(total, progress) as bar:
-    for name, method in (_given(given) if given is not None else _guide(walk, devices)):
+    named = [(_name(c), c) for c in given] if given is not None else _guide(walk, devices)
+    for name, method in named:
       if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
         walk.add(Trial(name, method, "skipped",
                        reason=f"not reached: time_budget_s={time_budget_s:g} was used up"))
@@ -102,17 +108,8 @@ def progress_bar(total, show):
   return progress.bar(total, "tune", show=show)
 
 
-def _given(methods):
-  for method in methods:
-    if not isinstance(method, m.Method):
-      raise errors.InvalidArgumentError(
-          f"tune(candidates=[..., {method!r}, ...]): every candidate must be a jaxdist method "
-          f"object such as jaxdist.DataParallel().")
-    yield _name(method), method
-
-
 def _with_devices(method, devices):
-  if devices is None or not isinstance(method, m.Method) or method.devices is not None:
+  if devices is None or method.devices is not None:
     return method
   return dataclasses.replace(method, devices=devices)
 
