@@ -99,6 +99,18 @@ def split_at_marker(step: TracedStep) -> GradSplit:
                    tuple(jaxpr_util.free_invars(grad_closed.jaxpr, grad_eqns)))
 
 
+def align(full_eqns, micro_eqns) -> dict[int, int]:
+  """Micro-batch equation index → the planned (full-batch) equation it runs: the two
+  traces are the same code at two batch sizes, aligned by their primitive sequence (jax
+  special-cases a size-1 dimension, a broadcast more or less; those stay unmatched)."""
+  matcher = difflib.SequenceMatcher(None, [e.primitive.name for e in full_eqns],
+                                    [e.primitive.name for e in micro_eqns], autojunk=False)
+  to_full = {}
+  for a, b, n in matcher.get_matching_blocks():
+    to_full.update(zip(range(b, b + n), range(a, a + n)))
+  return to_full
+
+
 def local_constraints(step: TracedStep, split: GradSplit, eqn_constraints: dict,
                       batch_axes: tuple[str, ...], axis_sizes: dict[str, int],
                       operands: bool = False) -> dict:
@@ -113,11 +125,7 @@ def local_constraints(step: TracedStep, split: GradSplit, eqn_constraints: dict,
   With ``operands`` the specs are per operand (None: unconstrained) instead of per output.
   """
   full, micro = step.closed_jaxpr.jaxpr.eqns, split.grad_jaxpr.jaxpr.eqns
-  matcher = difflib.SequenceMatcher(None, [e.primitive.name for e in full],
-                                    [e.primitive.name for e in micro], autojunk=False)
-  to_full = {}
-  for a, b, n in matcher.get_matching_blocks():
-    to_full.update(zip(range(b, b + n), range(a, a + n)))
+  to_full = align(full, micro)
   out = {}
   for i in split.grad_eqns:
     j = to_full.get(i)

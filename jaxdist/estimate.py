@@ -22,7 +22,6 @@ mesh's α-β costs.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 from typing import Any
 
@@ -30,13 +29,12 @@ from jaxdist import calibration
 from jaxdist import errors
 from jaxdist import jaxpr_util
 from jaxdist import methods as m
+from jaxdist.accumulate import align
 from jaxdist.grad import GRAD
 from jaxdist.liveness import Timeline
 from jaxdist.shard.cost import CostModel, combining_for
-from jaxdist.shard.specs import num_shards
+from jaxdist.shard.specs import from_partition_spec, num_shards
 from jaxdist.shard.strategies import nbytes
-from jax.sharding import PartitionSpec
-
 from jaxdist.trace import BATCH, OPTIMIZER, PARAM, with_micro_batch_trace
 
 ROLE_KEYS = {PARAM: "params", OPTIMIZER: "optimizer", BATCH: "batch"}
@@ -204,13 +202,8 @@ def _bytes(shape, dtype) -> float:
 
 
 def _shards(spec, lmesh) -> int:
-  sizes = dict(zip(lmesh.axis_names, lmesh.shape))
-  n = 1
-  for entry in spec:
-    for axis in (entry if isinstance(entry, tuple) else (entry,)):
-      if axis is not None:
-        n *= sizes[axis]
-  return n
+  """How many pieces a ``PartitionSpec`` cuts a value into on ``lmesh``."""
+  return num_shards(from_partition_spec(spec, len(spec)), dict(zip(lmesh.axis_names, lmesh.shape)))
 
 
 def _parts(timeline: Timeline, labels: dict, forward_end: int) -> dict[str, float]:
@@ -250,7 +243,7 @@ def _micro_step(func, planned, args):
   layout = planned.layout
   if planned.step.micro_jaxpr is not None:
     return planned.step.micro_jaxpr
-  n = math.prod(layout.logical_mesh.axis_size(a) for a in layout.batch_axes) or 1
+  n = math.prod(layout.logical_mesh.axis_size(a) for a in layout.batch_axes)
   return with_micro_batch_trace(func.fun, args, planned.static_argnums, planned.traced,
                                 n * layout.num_micro_batches).micro_jaxpr
 
@@ -265,7 +258,7 @@ def _split_step(planned, closed, size=nbytes, gathered_inputs=None):
   markers = [e for e, _, _ in timeline.eqns if e.primitive.name == jaxpr_util.IDENTITY_MARKER]
   marker = markers[0] if layout.grad_reduce_specs is not None and len(markers) == 1 else None
   combined = "all-reduce" in combining_for(lmesh.devices[0].platform).kinds
-  batch_shards = _shards(PartitionSpec(tuple(layout.batch_axes)), lmesh)
+  batch_shards = math.prod(lmesh.axis_size(a) for a in layout.batch_axes)
   labels, notes = {}, []
   if marker is not None:
     pm = timeline.position[id(marker)]
@@ -391,8 +384,7 @@ def _planned_flops(plan) -> float:
 
 
 def _splits_over(spec, axes) -> bool:
-  return any(a in axes for entry in spec if entry is not None
-             for a in (entry if isinstance(entry, tuple) else (entry,)))
+  return any(a in axes for dim in from_partition_spec(spec, len(spec)) for a in dim)
 
 
 def _micro_sizes(planned):
@@ -402,23 +394,15 @@ def _micro_sizes(planned):
   result = planned.shard_plan
   graph, choice, lmesh = (result.mesh_plan.graph, result.mesh_plan.solution.choice,
                           result.mesh_plan.lmesh)
-  sizes = {a: n for a, n in zip(lmesh.axis_names, lmesh.shape)
-           if a not in planned.layout.batch_axes}
+  sizes = {a: 1 if a in planned.layout.batch_axes else n
+           for a, n in zip(lmesh.axis_names, lmesh.shape)}
   full = result.step.closed_jaxpr.jaxpr
   micro = planned.step.micro_jaxpr.jaxpr
-  matcher = difflib.SequenceMatcher(None, [e.primitive.name for e in full.eqns],
-                                    [e.primitive.name for e in micro.eqns], autojunk=False)
-  shards = {}
-  for a, b, n in matcher.get_matching_blocks():
-    for i in range(n):
-      for fv, mv in zip(full.eqns[a + i].outvars, micro.eqns[b + i].outvars):
-        if fv in graph.producer:
-          spec = graph.spec_of(fv, choice)
-          shards[mv] = math.prod(sizes.get(ax, 1) for axes in spec for ax in axes)
-  for fv, mv in zip(full.invars, micro.invars):
-    if fv in graph.producer:
-      spec = graph.spec_of(fv, choice)
-      shards[mv] = math.prod(sizes.get(ax, 1) for axes in spec for ax in axes)
+  pairs = list(zip(full.invars, micro.invars))
+  for j, i in align(full.eqns, micro.eqns).items():
+    pairs += zip(full.eqns[i].outvars, micro.eqns[j].outvars)
+  shards = {mv: num_shards(graph.spec_of(fv, choice), sizes)
+            for fv, mv in pairs if fv in graph.producer}
   return lambda v: nbytes(v) / shards.get(v, 1)
 
 

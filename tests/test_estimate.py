@@ -15,6 +15,7 @@ import pytest
 
 import jaxdist as jd
 from jaxdist import calibration, cli, errors, models
+from helpers import make_step_script
 
 TOLERANCE = {"DataParallel": 0.02, "Zero2Parallel": 0.20, "Zero3Parallel": 0.20,
              "ShardParallel": 0.20}
@@ -85,15 +86,8 @@ def test_pipeshard_is_refused_with_a_typed_error():
 
 
 def test_jaxdist_estimate_command(capsys, tmp_path):
-  script = tmp_path / "make.py"
-  script.write_text(
-      "import optax\nimport jaxdist as jd\nfrom jaxdist import models\n"
-      "def make_step():\n"
-      "  data = models.regression_batch(32, 64, out=64)\n"
-      "  state = models.create_state(models.MLP(hidden=64, num_layers=2, out=64), data['x'],"
-      " tx=optax.sgd(0.1))\n"
-      "  return models.regression_step(jd.value_and_grad), (state, data)\n")
-  assert cli.main(["estimate", f"{script}:make_step", "--method", "zero2", "--json"]) == 0
+  target = make_step_script(tmp_path)
+  assert cli.main(["estimate", target, "--method", "zero2", "--json"]) == 0
   out = json.loads(capsys.readouterr().out)
   assert out["method"] == "Zero2Parallel" and out["memory_per_device"] > 0
   assert set(out["breakdown"]) >= {"params", "grads", "optimizer", "activations",

@@ -13,6 +13,7 @@ import jaxdist as jd
 from jaxdist import cli, errors, executable, models
 from jaxdist.tune import walk
 from jaxdist.tune.report import COLUMNS
+from helpers import make_step_script
 
 
 def _workload():
@@ -156,15 +157,8 @@ def test_the_guide_walks_every_stage_in_order(monkeypatch):
 
 
 def test_jaxdist_tune_command(tmp_path, capsys):
-  script = tmp_path / "make.py"
-  script.write_text(
-      "import optax\nimport jaxdist as jd\nfrom jaxdist import models\n"
-      "def make_step():\n"
-      "  data = models.regression_batch(32, 64, out=64)\n"
-      "  state = models.create_state(models.MLP(hidden=64, num_layers=2, out=64), data['x'],"
-      " tx=optax.sgd(0.1))\n"
-      "  return models.regression_step(jd.value_and_grad), (state, data)\n")
-  code = cli.main(["tune", f"{script}:make_step", "--methods", "dp,zero3", "--steps", "1",
+  target = make_step_script(tmp_path)
+  code = cli.main(["tune", target, "--methods", "dp,zero3", "--steps", "1",
                    "--budget", "10MB", "--json", str(tmp_path / "r.json"), "--csv",
                    str(tmp_path / "r.csv"), "--quiet"])
   out = capsys.readouterr().out
