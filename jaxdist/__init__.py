@@ -1,5 +1,6 @@
 """jaxdist: automatic parallelization of JAX training steps."""
 
+from jaxdist import advise as advise
 from jaxdist import checkpoint as checkpoint
 from jaxdist import errors as errors
 from jaxdist.api import ParallelizedFunc as ParallelizedFunc
@@ -57,6 +58,7 @@ __all__ = [
     "grad",
     "init_distributed",
     "parallelize",
+    "advise",
     "automatic_layer_construction",
     "calibrate",
     "checkpoint",

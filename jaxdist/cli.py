@@ -7,6 +7,11 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if argv[:1] == ["advise"]:
+    from jaxdist.advise import cli as advise_cli
+
+    return advise_cli.main(argv[1:])
   parser = argparse.ArgumentParser(prog="jaxdist", description="Automatic parallelization for JAX.")
   sub = parser.add_subparsers(dest="command", required=True)
   demo = sub.add_parser("demo", help="run the example GPT under every method and compare")
@@ -60,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
   tune.add_argument("--quiet", action="store_true", help="print only the final table")
   tune.add_argument("--devices", type=int, default=8,
                     help="simulated CPU devices when no accelerator is present (default 8)")
+  sub.add_parser("advise", help="parallelism, memory, time and cost for models and clusters "
+                 "you do not have here (jaxdist advise --help)")
   args = parser.parse_args(argv)
 
   if args.command == "demo":

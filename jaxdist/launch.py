@@ -33,9 +33,10 @@ def init_distributed() -> None:
 
   Under ``python -m jaxdist.launch`` it configures CPU devices, gloo collectives and
   cross-host transfers from what the launcher set, then calls
-  ``jax.distributed.initialize`` with the coordinator and process id. Anywhere else
-  (a real cluster: SLURM, Kubernetes, TPU pods) it defers to
-  ``jax.distributed.initialize()``'s own detection. A second call does nothing.
+  ``jax.distributed.initialize`` with the coordinator and process id. With
+  ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` set (hosts
+  started by hand, see ``jaxdist advise launch``) it uses those. Anywhere else (SLURM,
+  Kubernetes, TPU pods) it defers to ``jax.distributed.initialize()``'s own detection. A second call does nothing.
   """
   import jax
 
@@ -43,7 +44,13 @@ def init_distributed() -> None:
     return
   env = os.environ
   if ENV_COORDINATOR not in env:
-    jax.distributed.initialize()
+    explicit = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+    if all(k in env for k in explicit):  # hosts set up by hand (jaxdist advise launch)
+      jax.distributed.initialize(coordinator_address=env["JAX_COORDINATOR_ADDRESS"],
+                                 num_processes=int(env["JAX_NUM_PROCESSES"]),
+                                 process_id=int(env["JAX_PROCESS_ID"]))
+    else:
+      jax.distributed.initialize()
     return
   jax.config.update("jax_platforms", "cpu")
   jax.config.update("jax_num_cpu_devices", int(env[ENV_DEVICES_PER_PROCESS]))

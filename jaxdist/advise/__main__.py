@@ -1,0 +1,5 @@
+import sys
+
+from jaxdist.advise.cli import main
+
+sys.exit(main())
