@@ -60,8 +60,6 @@ def method_spec(e, *, layer_module: str | None = None,
     sharding["prefer_reduce_scatter"] = True
   if c.zero_stage == 3:
     sharding["force_zero_stage_3"] = True
-  if c.zero_stage == 1:
-    notes.append("ZeRO-1 runs as jaxdist's ZeRO-2 (gradients sharded too: less memory, same traffic)")
   model_axis = c.tp * (c.ep if c.tp == 1 else 1)
   if c.ep > 1 and c.tp > 1:
     notes.append("tp and ep together: the mesh's model axis carries tp; the planner places the "
