@@ -28,6 +28,7 @@ bench: $(STAMP)
 	-$(PY) bench/pipeline.py
 	-$(PY) bench/estimate.py
 	-$(PY) bench/tune.py
+	-$(PY) bench/advise.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
