@@ -70,6 +70,8 @@ class Cluster:
           f"Cluster(overrides=...) has unknown field(s) {sorted(unknown)}; valid: "
           f"{[f.name for f in dataclasses.fields(DeviceKind) if f.name != 'name']}.")
 
+  devices = staticmethod(devices)
+
   @property
   def kind(self) -> DeviceKind:
     preset = dict(devices()[self.device.lower()], **(self.overrides or {}))

@@ -102,6 +102,8 @@ class ModelSpec:
       raise errors.InvalidArgumentError(
           f"ModelSpec(num_kv_heads={self.num_kv_heads}) must divide num_heads={self.num_heads}.")
 
+  presets = staticmethod(presets)
+
   # ---- constructors -------------------------------------------------------------------
 
   @classmethod
