@@ -4,11 +4,15 @@ Numerics: SGD + momentum, rtol 1e-5 / atol 1e-6 (only summation order differs: t
 micro-batch gradients are added up stage by stage).
 """
 
+import warnings
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jaxdist as jd
@@ -237,3 +241,126 @@ def test_pipeline_errors():
 
   with pytest.raises(errors.InvalidArgumentError, match=r"outside the function passed"):
     run(jd.PipeshardParallel(layer_option=jd.AutoLayerOption(layer_num=2)), marker_outside)
+
+
+class _Block(nn.Module):
+  width: int
+  mark: bool = False  # a boundary at the start of the block (inside the module)
+  split: bool = False  # a boundary in the middle of the block
+
+  @nn.compact
+  def __call__(self, x):
+    if self.mark:
+      jd.mark_pipeline_boundary()
+    h = jnp.tanh(nn.Dense(self.width)(x))
+    if self.split:
+      jd.mark_pipeline_boundary()
+    return x + nn.Dense(self.width)(h)
+
+
+class _Net(nn.Module):
+  """Boundaries where users put them: in the model's __call__, inside blocks, inside
+  remat'd blocks, inside jitted helpers."""
+  mode: str
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(32)(x)
+    for i in range(4):
+      if self.mode == "call" and i == 2:
+        jd.mark_pipeline_boundary()
+      if self.mode == "jit" and i == 2:
+        jax.jit(jd.mark_pipeline_boundary)()
+      if self.mode == "remat":
+        x = nn.remat(_Block)(32, mark=i > 0)(x)
+      elif self.mode == "remat-split":
+        x = nn.remat(_Block)(32, split=i == 1)(x)
+      else:
+        x = _Block(32)(x)
+    return nn.Dense(4)(x)
+
+
+class _NnxNet(nnx.Module):
+  def __init__(self, rngs):
+    self.inp = nnx.Linear(16, 32, rngs=rngs)
+    self.blocks = nnx.List([nnx.Linear(32, 32, rngs=rngs) for _ in range(4)])
+    self.out = nnx.Linear(32, 4, rngs=rngs)
+
+  def __call__(self, x):
+    x = self.inp(x)
+    for i, block in enumerate(self.blocks):
+      if i == 2:
+        jd.mark_pipeline_boundary()
+      x = x + jnp.tanh(block(x))
+    return self.out(x)
+
+
+@pytest.mark.parametrize("mode,wrap,stages,remats", [
+    ("call", False, 2, 0), ("call", True, 2, 0), ("jit", False, 2, 0),
+    ("remat", False, 4, 4), ("remat", True, 4, 4), ("remat-split", False, 2, 5),
+    ("nnx", False, 2, 0)])
+def test_boundaries_inside_modules_remat_and_jit_are_found(mode, wrap, stages, remats):
+  """Alpa's documented usage: mark_pipeline_boundary() inside the model, the loss
+  optionally wrapped by manual_layer_construction, layer_option="manual"."""
+  from flax.training import train_state
+
+  x = jax.random.normal(jax.random.key(0), (32, 16))
+  batch = {"x": x, "y": jax.random.normal(jax.random.key(1), (32, 4))}
+  if mode == "nnx":
+    graphdef, params = nnx.split(_NnxNet(nnx.Rngs(2)))
+    apply = lambda p, xs: nnx.merge(graphdef, p)(xs)
+  else:
+    net = _Net(mode)
+    params, apply = net.init(jax.random.key(2), x), net.apply
+  state = train_state.TrainState.create(apply_fn=apply, params=params, tx=optax.sgd(0.1))
+
+  def step(state, batch):
+    def loss_fn(p):
+      return jnp.mean((state.apply_fn(p, batch["x"]) - batch["y"]) ** 2)
+
+    f = jd.manual_layer_construction(loss_fn) if wrap else loss_fn
+    loss, grads = jd.value_and_grad(f)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  expected = to_host(jax.jit(step)(state, batch))
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", errors.JaxdistWarning)  # remat2 planned replicated
+    exe = jd.parallelize(step, method=jd.PipeshardParallel(num_micro_batches=4)).get_executable(
+        state, batch)
+    got = to_host(exe(state, batch))
+  assert len(exe.stages) == stages
+  assert_trees_close(got, expected, rtol=1e-5, atol=1e-6)
+  # Recomputation survives the hoisting: a remat'd block cut in the middle becomes two.
+  from jaxdist.pipeline.layers import boundary_p, hoist_boundaries
+  closed = hoist_boundaries(jax.make_jaxpr(lambda p: apply(p, x))(params))
+  names = [e.primitive.name for e in closed.jaxpr.eqns]
+  assert names.count("remat2") == remats
+  assert names.count(boundary_p.name) == stages - 1
+
+
+def test_automatic_layers_see_through_jitted_and_remat_models():
+  """The whole model behind jax.jit, its blocks remat'd: AutoLayerOption still clusters
+  the blocks (calls inlined, remat bodies counted by their flops)."""
+  from flax.training import train_state
+
+  x = jax.random.normal(jax.random.key(0), (32, 16))
+  batch = {"x": x, "y": jax.random.normal(jax.random.key(1), (32, 4))}
+  net = _Net("remat")
+  state = train_state.TrainState.create(apply_fn=jax.jit(net.apply),
+                                        params=net.init(jax.random.key(2), x), tx=optax.sgd(0.1))
+
+  def step(state, batch):
+    def loss_fn(p):
+      return jnp.mean((state.apply_fn(p, batch["x"]) - batch["y"]) ** 2)
+
+    loss, grads = jd.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  expected = to_host(jax.jit(step)(state, batch))
+  method = jd.PipeshardParallel(num_micro_batches=2, layer_option=jd.AutoLayerOption(layer_num=2))
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", errors.JaxdistWarning)
+    exe = jd.parallelize(step, method=method).get_executable(state, batch)
+    got = to_host(exe(state, batch))
+  assert len(exe.stages) == 2
+  assert_trees_close(got, expected, rtol=1e-5, atol=1e-6)

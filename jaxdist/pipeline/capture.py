@@ -102,7 +102,12 @@ def captured_value_and_grad(fun, argnums, has_aux: bool, args, kwargs):
     aux_leaves, out_info["aux_tree"] = jax.tree.flatten(aux)
     return [value, *aux_leaves]
 
-  closed = jax.make_jaxpr(forward)(*[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in diff_leaves])
+  from jaxdist.pipeline.layers import hoist_boundaries
+
+  # Jitted helpers inlined and boundaries hoisted out of remat'd blocks: the layer
+  # construction sees the whole forward pass.
+  closed = hoist_boundaries(jaxpr_util.inline_calls(
+      jax.make_jaxpr(forward)(*[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in diff_leaves])))
   # The closed-over values become leading operands of the equation.
   open_jaxpr = closed.jaxpr.replace(constvars=[],
                                    invars=[*closed.jaxpr.constvars, *closed.jaxpr.invars])

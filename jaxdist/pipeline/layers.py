@@ -194,19 +194,14 @@ def _trace(fun, args):
 
   closed = jax.make_jaxpr(flat)(*[jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x))
                                   for x in leaves])
-  return closed, leaves, out_tree["tree"]
+  return hoist_boundaries(jaxpr_util.inline_calls(closed)), leaves, out_tree["tree"]
 
 
-def run_layers(closed, leaves, starts: tuple[int, ...], remat_layer: bool,
-               skip: frozenset[int] = frozenset()) -> list:
-  """Evaluates ``closed`` on ``leaves`` layer by layer (equations in ``skip`` dropped),
-  marking the values that cross each boundary and, with ``remat_layer``, recomputing
-  each layer in the backward pass. Returns the outputs."""
-  jaxpr = closed.jaxpr
-  env = dict(zip(jaxpr.constvars, closed.consts))
-  env.update(zip(jaxpr.invars, leaves))
-  ends = starts[1:] + (len(jaxpr.eqns),)
-  for index, (start, end) in enumerate(zip(starts, ends)):
+def _segments(jaxpr, starts, skip=frozenset()):
+  """Per run ``[start, next start)`` of equations (``skip`` dropped): its equation ids, the
+  values it reads from before it, and the values it defines that are read after it."""
+  ends = tuple(starts[1:]) + (len(jaxpr.eqns),)
+  for start, end in zip(starts, ends):
     ids = [i for i in range(start, end) if i not in skip]
     defined = {v for i in ids for v in jaxpr.eqns[i].outvars}
     later = {v for i in range(end, len(jaxpr.eqns)) for v in jaxpr.eqns[i].invars
@@ -219,17 +214,104 @@ def run_layers(closed, leaves, starts: tuple[int, ...], remat_layer: bool,
           needed.append(v)
     live_out = [v for v in dict.fromkeys(v for i in ids for v in jaxpr.eqns[i].outvars)
                 if v in later and not isinstance(v, jex.DropVar)]
+    yield ids, needed, live_out
 
-    def layer_fn(*values, ids=ids, needed=needed, live_out=live_out):
-      local = dict(zip(needed, values))
-      jaxpr_util.eval_eqns(jaxpr, local, ids)
-      return [local[v] for v in live_out]
 
+def _segment_fn(jaxpr, ids, needed, live_out):
+  def run(*values):
+    local = dict(zip(needed, values))
+    jaxpr_util.eval_eqns(jaxpr, local, ids)
+    return [local[v] for v in live_out]
+
+  return run
+
+
+def run_layers(closed, leaves, starts: tuple[int, ...], remat_layer: bool,
+               skip: frozenset[int] = frozenset()) -> list:
+  """Evaluates ``closed`` on ``leaves`` layer by layer (equations in ``skip`` dropped),
+  marking the values that cross each boundary and, with ``remat_layer``, recomputing
+  each layer in the backward pass. Returns the outputs."""
+  jaxpr = closed.jaxpr
+  env = dict(zip(jaxpr.constvars, closed.consts))
+  env.update(zip(jaxpr.invars, leaves))
+  for index, (ids, needed, live_out) in enumerate(_segments(jaxpr, starts, skip)):
+    layer_fn = _segment_fn(jaxpr, ids, needed, live_out)
     values = [env[v] for v in needed]
     outs = tied_checkpoint(layer_fn, *values) if remat_layer and ids else layer_fn(*values)
     if index + 1 < len(starts) and outs:
       outs = layer_marker_p.bind(*outs, layer=index + 1)
     env.update(zip(live_out, outs))
+  return [jaxpr_util.read(env, v) for v in jaxpr.outvars]
+
+
+CHECKPOINTS = ("remat2", "checkpoint")
+
+
+def _has_boundary(jaxpr) -> bool:
+  return jaxpr_util.count_primitive(jaxpr, boundary_p.name) > 0
+
+
+def hoist_boundaries(closed: jex.ClosedJaxpr) -> jex.ClosedJaxpr:
+  """The same function with its :func:`mark_pipeline_boundary` calls at the top level.
+
+  A call (``jax.jit``, flax/nnx jitted helpers) that contains a boundary is inlined; a
+  checkpointed body (``jax.checkpoint``, ``nn.remat``, ``nnx.remat``) that contains one
+  is split there into checkpointed parts with the same policy, so recomputation still
+  applies on both sides. Boundaries inside loops or conds stay where they are (a
+  boundary cannot cut a loop).
+  """
+  jaxpr = closed.jaxpr
+  if jaxpr_util.count_primitive(jaxpr, boundary_p.name) == len(jaxpr_util.find_eqns(
+      jaxpr, boundary_p.name)):
+    return closed  # none, or all at the top level already
+
+  def run(*args):
+    env = dict(zip(jaxpr.constvars, closed.consts))
+    env.update(zip(jaxpr.invars, args))
+    _eval_hoisting(jaxpr, env)
+    return [jaxpr_util.read(env, v) for v in jaxpr.outvars]
+
+  specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+           for v in jaxpr.invars]
+  return jax.make_jaxpr(run)(*specs)
+
+
+def _eval_hoisting(jaxpr, env) -> None:
+  for eqn in jaxpr.eqns:
+    invals = [jaxpr_util.read(env, v) for v in eqn.invars]
+    name = eqn.primitive.name
+    sub = jaxpr_util._call_body(eqn) if name in jaxpr_util.CALLS else None
+    if sub is not None and _has_boundary(sub.jaxpr):
+      inner = dict(zip(sub.jaxpr.constvars, sub.consts))
+      inner.update(zip(sub.jaxpr.invars, invals))
+      _eval_hoisting(sub.jaxpr, inner)
+      outs = [jaxpr_util.read(inner, v) for v in sub.jaxpr.outvars]
+    elif name in CHECKPOINTS and _has_boundary(eqn.params["jaxpr"]):
+      outs = _split_checkpoint(eqn, invals)
+    else:
+      outs = jaxpr_util.bind_eqn(eqn, invals)
+    for v, x in zip(eqn.outvars, outs):
+      if not isinstance(v, jex.DropVar):
+        env[v] = x
+
+
+def _split_checkpoint(eqn, invals) -> list:
+  body = eqn.params["jaxpr"]
+  body = hoist_boundaries(body if isinstance(body, jex.ClosedJaxpr) else jex.ClosedJaxpr(body, ()))
+  jaxpr = body.jaxpr
+  env = dict(zip(jaxpr.constvars, body.consts))
+  env.update(zip(jaxpr.invars, invals))
+  marks = jaxpr_util.find_eqns(jaxpr, boundary_p.name)
+  starts = tuple(dict.fromkeys([0] + [m + 1 for m in marks if m + 1 < len(jaxpr.eqns)]))
+  for index, (ids, needed, live_out) in enumerate(_segments(jaxpr, starts, frozenset(marks))):
+    if index:  # the boundary that ended the previous part
+      boundary_p.bind()
+    if not ids:
+      continue
+    part = jax.checkpoint(_segment_fn(jaxpr, ids, needed, live_out),
+                          prevent_cse=eqn.params.get("prevent_cse", True),
+                          policy=eqn.params.get("policy"))
+    env.update(zip(live_out, part(*[env[v] for v in needed])))
   return [jaxpr_util.read(env, v) for v in jaxpr.outvars]
 
 
@@ -270,13 +352,19 @@ def manual_starts(jaxpr, owner: str) -> tuple[int, ...]:
     InvalidArgumentError: ``jaxpr`` has no boundary marker (``owner`` names the caller).
   """
   marks = jaxpr_util.find_eqns(jaxpr, boundary_p.name)
-  if not marks:
-    raise errors.InvalidArgumentError(
-        f"{owner}: the function marks no layer boundary; call "
-        f"jaxdist.mark_pipeline_boundary() between layers of its forward pass (at its top "
-        f"level: not inside a jitted helper or a loop), or cut it automatically "
-        f"(jaxdist.automatic_layer_construction, AutoLayerOption).")
-  return tuple(dict.fromkeys([0] + [m + 1 for m in marks if m + 1 < len(jaxpr.eqns)]))
+  if marks:
+    return tuple(dict.fromkeys([0] + [m + 1 for m in marks if m + 1 < len(jaxpr.eqns)]))
+  # Layers already made by manual_/automatic_layer_construction: each starts at its marker.
+  layer_marks = jaxpr_util.find_eqns(jaxpr, layer_marker_p.name)
+  if layer_marks:
+    return tuple(dict.fromkeys([0] + layer_marks))
+  where = ("; it is called inside a loop or cond, which a boundary cannot cut"
+           if _has_boundary(jaxpr) else "")
+  raise errors.InvalidArgumentError(
+      f"{owner}: the function marks no layer boundary{where}; call "
+      f"jaxdist.mark_pipeline_boundary() between layers of its forward pass (anywhere in "
+      f"it, also inside modules, jitted helpers and remat'd blocks; not inside a loop), or "
+      f"cut it automatically (jaxdist.automatic_layer_construction, AutoLayerOption).")
 
 
 def manual_layer_construction(fun=None, *, remat_layer: bool = False):
