@@ -25,10 +25,14 @@ def _result(worker: str, process: int) -> tuple[dict, str]:
   """Launches ``worker`` on 2 processes; returns the JSON ``process`` printed, and stdout."""
   proc = _launch(sys.executable, os.path.join(HERE, worker))
   assert proc.returncode == 0, proc.stdout[-3000:]
+  return _result_from(proc.stdout, process)
+
+
+def _result_from(stdout: str, process: int) -> tuple[dict, str]:
   prefix = f"[{process}] RESULT "
-  lines = [l for l in proc.stdout.splitlines() if l.startswith(prefix)]
-  assert len(lines) == 1, proc.stdout[-3000:]
-  return json.loads(lines[0][len(prefix):]), proc.stdout
+  lines = [l for l in stdout.splitlines() if l.startswith(prefix)]
+  assert len(lines) == 1, stdout[-3000:]
+  return json.loads(lines[0][len(prefix):]), stdout
 
 
 def test_two_process_data_parallel_matches_single_process():
@@ -52,8 +56,12 @@ def test_two_process_data_parallel_matches_single_process():
 
 
 def test_two_process_pipeline_with_one_stage_per_process_matches_serial():
-  result, _ = _result("pipeline_worker.py", 1)  # the loss lives on process 1's last stage
+  # The loss is made on process 1's last stage; process 0, where training loops log,
+  # reads it too.
+  result, stdout = _result("pipeline_worker.py", 1)
+  first, _ = _result_from(stdout, 0)
   assert result["stage_processes"] == [[0], [1]]
+  assert first["losses"] == result["losses"]
 
   config = models.GPTConfig(vocab=64, width=16, heads=2, depth=2, seq_len=16)
   batch = models.token_batch(16, config)

@@ -67,6 +67,13 @@ from jaxdist.plan import Plan, PlanEntry
 from jaxdist.trace import BATCH, INPUT, OPTIMIZER, PARAM, TracedStep
 
 
+SMALL_OUTPUT_BYTES = 1 << 20
+
+
+def _nbytes(aval) -> int:
+  return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
+
+
 def replicate(x: jax.Array, full: NamedSharding) -> jax.Array:
   """``x`` (a value on a sub-mesh of ``full``'s devices) replicated over all of them.
 
@@ -283,6 +290,15 @@ class PipelineExecutable:
                    f"micro-batch, {predicted.step_time:.3g} s per step"])))
     costs = [sum(c for c in st.objectives if c is not None) for st in self.stages]
     self.auto_sharding_objective = sum(costs) + (k - 1) * max(costs)
+    # In a multi-process job the small results that are not state (the loss, metrics,
+    # aux scalars) are copied to every device, so that every process reads them as it
+    # does under the SPMD methods; large results stay on the stage that made them.
+    self._broadcast = [] if jax.process_count() == 1 else [
+        o for o, (src, aval) in enumerate(zip(step.output_source, step.out_avals))
+        if src is None and _nbytes(aval) <= SMALL_OUTPUT_BYTES
+        and self._output_homes[o].device_set != self._full.device_set]
+    for o in self._broadcast:
+      self._output_homes[o] = self._full
     self.input_shardings = tree_util.tree_unflatten(step.in_tree, self._input_homes)
     self.output_shardings = tree_util.tree_unflatten(step.out_tree, self._output_homes)
 
@@ -593,6 +609,8 @@ class PipelineExecutable:
     for program in self._applies:
       values.update(zip(program.writes, self._run_program(program, values)))
     out = [jaxpr_util.read(values, v) for v in jaxpr.outvars]
+    for o in self._broadcast:
+      out[o] = replicate(out[o], self._full)
     return tree_util.tree_unflatten(self._step.out_tree, out)
 
   @staticmethod
