@@ -67,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="simulated CPU devices when no accelerator is present (default 8)")
   sub.add_parser("advise", help="parallelism, memory, time and cost for models and clusters "
                  "you do not have here (jaxdist advise --help)")
+  from jaxdist.bench.cli import add_arguments as bench_arguments
+
+  bench_arguments(sub.add_parser("bench", help="benchmark suites (GPT, MoE, Wide-ResNet) under "
+                                 "every method against hand plans"))
   args = parser.parse_args(argv)
 
   if args.command == "demo":
@@ -92,6 +96,11 @@ def main(argv: list[str] | None = None) -> int:
 
     return tune_cli.main(args.target, args.budget, args.steps, args.methods, args.time_budget,
                          args.csv, args.failures_csv, args.json, args.plot, args.quiet)
+  if args.command == "bench":
+    _cpu_devices(args.devices)
+    from jaxdist.bench import cli as bench_cli
+
+    return bench_cli.main(args)
   return 2
 
 

@@ -1,0 +1,250 @@
+"""Run suites: one row per (model, method), written to ``results.csv`` / ``results.json``.
+
+Per row: step time mean and std over ``repeat`` steps after one warm-up step (measured
+here), parameters, model flops (the traced serial step's matmuls and convolutions, forward
+and backward; for GPT also Megatron-LM's formula), TFLOP/s per device and MFU against the
+device kind's peak, compiled bytes per device, communication bytes per step, trace + plan +
+compile seconds, the mesh or stage layout, the first step's loss against the single-device
+step, and a projected step time on one H100 node from the compiled HLO:
+
+    SPMD:      flops_per_device / reached + Σ_collectives (count·α + β·wire_bytes)
+    pipeline:  (m + p − 1) · max_stage (forward + backward flops per micro-batch) / reached
+               + the same collective term
+
+with α = 10 µs, β = 1/450 GB/s, reached = 400 TFLOP/s (``suites.H100_NODE``); projected MFU
+is against the 989 TFLOP/s peak.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import datetime
+import json
+import math
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdist import jaxpr_util, progress
+from jaxdist.bench.suites import H100_NODE, Workload, device_list, methods, workload
+from jaxdist.mesh import device_costs
+
+LOSS_RTOL = 1e-4  # first-step loss against the single-device step
+
+
+@dataclasses.dataclass
+class Row:
+  suite: str
+  model: str
+  method: str
+  kind: str
+  status: str
+  num_devices: int
+  step_time_mean_s: float | None = None
+  step_time_std_s: float | None = None
+  params: int = 0
+  model_flops: float = 0.0
+  formula_flops: float | None = None
+  tflops_per_device: float | None = None
+  mfu: float | None = None
+  bytes_per_device: int | None = None
+  comm_bytes: float | None = None
+  compile_s: float | None = None
+  layout: str = ""
+  loss: float | None = None
+  serial_loss: float | None = None
+  matches_serial: bool | None = None
+  projected_h100_s: float | None = None
+  projected_mfu: float | None = None
+  reason: str = ""
+  jax_version: str = jax.__version__
+  device_kind: str = ""
+  date: str = ""
+
+
+COLUMNS = [f.name for f in dataclasses.fields(Row)]
+
+
+def model_flops(w: Workload, state) -> float:
+  """Matmul and convolution flops of one serial step (forward and backward)."""
+  closed = jax.make_jaxpr(w.step)(state, w.batch)
+  return float(sum(jaxpr_util.eqn_flops(e) for e in closed.jaxpr.eqns))
+
+
+def projected_seconds(exe, k: int = 1) -> float:
+  comm = sum(s.count * H100_NODE["alpha"] + s.wire_bytes * H100_NODE["beta"]
+             for s in exe.communication().values())
+  stages = getattr(exe, "stages", None)
+  if stages:
+    per_mb = max(sum(float(p.cost_analysis().get("flops", 0.0)) for p in (st.forward, st.backward))
+                 for st in stages)
+    return (k + len(stages) - 1) * per_mb / H100_NODE["reached_flops"] + comm
+  return float(exe.cost_analysis().get("flops", 0.0)) / H100_NODE["reached_flops"] + comm
+
+
+def _layout(exe) -> str:
+  stages = getattr(exe, "stages", None)
+  if stages:
+    return " | ".join(f"{len(st.mesh.devices)}dev{tuple(st.mesh.shape)}" for st in stages)
+  return "x".join(map(str, exe.plan.mesh_shape))
+
+
+def _copy(tree):
+  return jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, tree)
+
+
+def run_method(w: Workload, name: str, kind: str, method, devices, repeat: int,
+               serial_loss: float, flops: float, params: int) -> Row:
+  import jaxdist as jd
+
+  n = len(devices)
+  row = Row(w.suite, w.name, name, kind, "ok", n, params=params, model_flops=flops,
+            formula_flops=w.formula_flops, serial_loss=serial_loss,
+            device_kind=devices[0].device_kind,
+            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+  try:
+    state = w.make_state()
+    start = time.perf_counter()
+    exe = jd.parallelize(w.step, method=method).get_executable(state, w.batch)
+    row.compile_s = time.perf_counter() - start
+    state, metrics = exe(state, w.batch)
+    row.loss = float(np.asarray(metrics["loss"]))
+    row.matches_serial = bool(abs(row.loss - serial_loss) <= LOSS_RTOL * abs(serial_loss))
+    times = []
+    for _ in range(repeat):
+      t = time.perf_counter()
+      state, metrics = exe(state, w.batch)
+      jax.block_until_ready((state, metrics))
+      times.append(time.perf_counter() - t)
+  except Exception as e:  # classified and reported, never raised: the suite goes on
+    from jaxdist import errors
+
+    text = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    row.status = ("skipped" if isinstance(e, errors.JaxdistError)  # does not apply here
+                  else "oom" if "RESOURCE_EXHAUSTED" in text or "out of memory" in text
+                  else "error")
+    row.reason = text
+    return row
+  row.step_time_mean_s = float(np.mean(times))
+  row.step_time_std_s = float(np.std(times))
+  row.tflops_per_device = flops / n / row.step_time_mean_s / 1e12
+  row.mfu = flops / n / row.step_time_mean_s / device_costs(devices[0])[2]
+  row.bytes_per_device = int(exe.get_total_allocation_size())
+  row.comm_bytes = float(sum(s.wire_bytes for s in exe.communication().values()))
+  row.layout = _layout(exe)
+  row.projected_h100_s = projected_seconds(exe, getattr(method, "num_micro_batches", 1) or 1)
+  row.projected_mfu = flops / n / row.projected_h100_s / H100_NODE["peak_flops"]
+  return row
+
+
+def run(suites: list[str], size: str = "tiny", method_names: list[str] | None = None,
+        num_devices: int | None = None, repeat: int = 3, scaling: bool = False,
+        show: bool = True) -> list[Row]:
+  """Every (model, method) row of ``suites`` at ``size``; with ``scaling``, GPT also under
+  DataParallel and ShardParallel on 1, 2, 4, 8 devices."""
+  devices = device_list(num_devices)
+  plan = []
+  for suite in suites:
+    w = workload(suite, size)
+    chosen = [(n, k, m) for n, k, m in methods(w, devices)
+              if not method_names or any(s.lower() in n.lower() for s in method_names)]
+    plan += [(w, devices, c) for c in chosen]
+    if scaling and suite == "gpt":
+      for count in (1, 2, 4, 8):
+        if count <= len(jax.devices()) and count != len(devices):
+          sub = device_list(count)
+          plan += [(w, sub, c) for c in methods(w, sub)
+                   if c[0] in ("DataParallel", "ShardParallel (ILP)")]
+  rows, reference = [], {}
+  with progress.bar(len(plan), "bench", show=show) as bar:
+    for w, devs, (name, kind, method) in plan:
+      bar.describe(f"{w.name}: {name} on {len(devs)} devices")
+      if w.name not in reference:
+        state = w.make_state()
+        params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+        serial = float(np.asarray(jax.jit(w.step)(_copy(state), w.batch)[1]["loss"]))
+        reference[w.name] = (serial, model_flops(w, state), params)
+      serial, flops, params = reference[w.name]
+      row = run_method(w, name, kind, method, devs, repeat, serial, flops, params)
+      rows.append(row)
+      if show:
+        _print_row(row)
+      bar.advance()
+  return rows
+
+
+def _print_row(r: Row) -> None:
+  if r.status != "ok":
+    print(f"  {r.model:<12} {r.method:<26} {r.num_devices}dev  {r.status}: {r.reason[:90]}", flush=True)
+    return
+  print(f"  {r.model:<12} {r.method:<26} {r.num_devices}dev  {r.step_time_mean_s * 1e3:8.2f} ms "
+        f"± {r.step_time_std_s * 1e3:5.2f}  {r.bytes_per_device / 2**20:7.2f} MiB  "
+        f"H100 {r.projected_h100_s * 1e3:7.3f} ms  serial {'ok' if r.matches_serial else 'DIFFERS'}",
+        flush=True)
+
+
+def write(rows: list[Row], out: str | Path) -> tuple[Path, Path]:
+  """Appends to ``out/results.csv`` and ``out/results.json``."""
+  out = Path(out)
+  out.mkdir(parents=True, exist_ok=True)
+  csv_path, json_path = out / "results.csv", out / "results.json"
+  new = not csv_path.exists()
+  with open(csv_path, "a", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=COLUMNS)
+    if new:
+      writer.writeheader()
+    for r in rows:
+      writer.writerow({k: ("" if v is None else v) for k, v in dataclasses.asdict(r).items()})
+  previous = json.loads(json_path.read_text()) if json_path.exists() else []
+  json_path.write_text(json.dumps(previous + [dataclasses.asdict(r) for r in rows], indent=1))
+  return csv_path, json_path
+
+
+def read_csv(path: str | Path) -> list[Row]:
+  """Rows back with their types (the CSV's columns are :class:`Row`'s fields)."""
+  types = {f.name: f.type for f in dataclasses.fields(Row)}
+  rows = []
+  with open(path) as f:
+    for raw in csv.DictReader(f):
+      values = {}
+      for k, v in raw.items():
+        t = str(types[k])
+        if v == "":
+          values[k] = None if "None" in t else ("" if "str" in t else 0)
+        elif t.startswith("int"):
+          values[k] = int(v)
+        elif "float" in t:
+          values[k] = float(v)
+        elif "bool" in t:
+          values[k] = v == "True"
+        else:
+          values[k] = v
+      rows.append(Row(**values))
+  return rows
+
+
+def summary(rows: list[Row]) -> list[dict]:
+  """Per model (on the most devices): the best hand plan, the best automatic plan and
+  their ratio of projected H100 step times (goal: auto / hand <= 1.05), among the rows
+  that match the serial first step."""
+  out = []
+  for model in dict.fromkeys(r.model for r in rows):
+    # Rows whose first step differs from the serial one (a pipeline's per-micro-batch
+    # BatchNorm statistics) run another computation: they do not compete.
+    mine = [r for r in rows if r.model == model and r.status == "ok" and r.matches_serial]
+    if not mine:
+      continue
+    n = max(r.num_devices for r in mine)
+    mine = [r for r in mine if r.num_devices == n]
+    hand = min((r for r in mine if r.kind == "hand"), key=lambda r: r.projected_h100_s, default=None)
+    auto = min((r for r in mine if r.kind == "auto"), key=lambda r: r.projected_h100_s, default=None)
+    ratio = (auto.projected_h100_s / hand.projected_h100_s) if hand and auto else math.nan
+    out.append({"model": model, "devices": n, "best_hand": hand.method if hand else None,
+                "hand_ms": hand.projected_h100_s * 1e3 if hand else None,
+                "best_auto": auto.method if auto else None,
+                "auto_ms": auto.projected_h100_s * 1e3 if auto else None, "ratio": ratio})
+  return out

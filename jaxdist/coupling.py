@@ -1,0 +1,105 @@
+"""Does a step mix examples of its batch other than by averaging the loss?
+
+jaxdist's one-reduction-per-step path (``jaxdist.grad`` under DataParallel / ZeRO) runs
+the gradient part per device on its shard of the batch. That equals the whole-batch step
+only when examples interact through the final mean alone. A batch statistic (BatchNorm in
+training mode: ``(x - mean_over_batch(x)) / std_over_batch(x)``) makes each device use its
+own shard's statistics instead, which the single-device step does not do.
+
+:func:`batch_coupling` follows the batch axis through the step's jaxpr: every value either
+carries the batch axis at some position, is *reduced* over it (a batch statistic, a
+weight gradient, the loss), or does not depend on the batch. An equation that combines a
+reduced value with a value that still carries the batch axis couples examples. Values
+whose batch axis it cannot follow (an op without a rule below that drops the axis) are no
+longer tracked, so an exotic step may go unnoticed; ordinary ones (elementwise ops,
+broadcasts, reshapes, transposes, dots, convolutions, reductions, gathers) are followed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.extend.core as jex
+
+from jaxdist.jaxpr_util import MARKERS
+from jaxdist.trace import BATCH, TracedStep
+
+REDUCED = "reduced"
+REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or "
+                       "argmax argmin".split())
+
+
+def _shape(v):
+  return tuple(getattr(v.aval, "shape", ()))
+
+
+def batch_coupling(step: TracedStep) -> str | None:
+  """A description of the first equation that mixes a batch statistic back into
+  per-example values (None if there is none)."""
+  size = step.batch_size
+  if size is None or size < 2:
+    return None
+  jaxpr = step.closed_jaxpr.jaxpr
+  state: dict = {}
+  for v, leaf in zip(jaxpr.invars, step.inputs):
+    if leaf.role == BATCH and _shape(v) and _shape(v)[0] == size:
+      state[v] = 0
+  for i, eqn in enumerate(jaxpr.eqns):
+    ins = [None if isinstance(v, jex.Literal) else state.get(v) for v in eqn.invars]
+    carried = [(k, p) for k, p in enumerate(ins) if isinstance(p, int)]
+    if not carried and REDUCED not in ins:
+      continue
+    if eqn.primitive.name in MARKERS:  # identities, value by value
+      state.update((v, s) for v, s in zip(eqn.outvars, ins) if s is not None)
+      continue
+    if carried and REDUCED in ins:
+      return (f"equation {i} ({eqn.primitive.name}) combines a value reduced over the batch "
+              f"(a batch statistic such as BatchNorm's mean) with per-example values")
+    outs = _propagate(eqn, carried, size) if carried else [REDUCED] * len(eqn.outvars)
+    for v, s in zip(eqn.outvars, outs):
+      if s is not None:
+        state[v] = s
+  return None
+
+
+def _propagate(eqn, carried, size) -> list:
+  name = eqn.primitive.name
+  k, p = carried[0]
+  out_shapes = [_shape(v) for v in eqn.outvars]
+  if name in REDUCTIONS:
+    axes = tuple(eqn.params.get("axes", ()))
+    if p in axes:
+      return [REDUCED] * len(eqn.outvars)
+    return [p - sum(a < p for a in axes)] * len(eqn.outvars)
+  if name == "dot_general":
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    contract, batch = (lc, lb) if k == 0 else (rc, rb)
+    if p in contract:
+      return [REDUCED]
+    if p in batch:
+      return [batch.index(p)]
+    lhs_rank = len(_shape(eqn.invars[0]))
+    lfree = [d for d in range(lhs_rank) if d not in lc and d not in lb]
+    if k == 0:
+      return [len(lb) + lfree.index(p)]
+    rfree = [d for d in range(len(_shape(eqn.invars[1]))) if d not in rc and d not in rb]
+    return [len(lb) + len(lfree) + rfree.index(p)]
+  if name == "conv_general_dilated":
+    dn = eqn.params["dimension_numbers"]
+    if k == 0 and p == dn.lhs_spec[0]:
+      return [dn.out_spec[0]]
+    return [REDUCED]  # a kernel gradient: the batch is contracted
+  if name == "broadcast_in_dim":
+    return [eqn.params["broadcast_dimensions"][p]] + [None] * (len(eqn.outvars) - 1)
+  if name == "transpose":
+    return [list(eqn.params["permutation"]).index(p)]
+  if name in ("reshape", "squeeze", "expand_dims"):
+    before = math.prod(_shape(eqn.invars[0])[:p])
+    shape = out_shapes[0]
+    for q in range(len(shape)):
+      if math.prod(shape[:q]) == before and shape[q] == size:
+        return [q]
+    return [None]
+  # Everything else (elementwise, select, gather, concatenate, slices, custom calls):
+  # the batch axis stays where it was if the output still has it there.
+  return [p if len(s) > p and s[p] == size else None for s in out_shapes]
