@@ -1,0 +1,52 @@
+"""jaxdist bench: the suites run their methods and match the serial first step, the CSV
+keeps its typed schema, and the GPT flop count is the traced step's."""
+
+import pytest
+
+from jaxdist import errors
+from jaxdist.bench import run as bench_run
+from jaxdist.bench.suites import gpt_flops, workload
+
+
+def test_gpt_flops_formula_is_the_traced_steps_matmuls():
+  """Megatron-LM's 72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h)) against a hand count: the
+  dot_general flops of the traced serial step (forward and backward)."""
+  w = workload("gpt", "tiny")
+  counted = bench_run.model_flops(w, w.make_state())
+  assert counted == pytest.approx(w.formula_flops, rel=1e-9)
+  assert w.formula_flops == gpt_flops(16, 32, 2, 64, 256)
+
+
+@pytest.mark.parametrize("suite,methods", [
+    ("gpt", ["DataParallel", "ZeRO-3", "DP2 x Megatron", "pipeline 2 stages", "ILP"]),
+    ("moe", ["expert parallel 8", "ILP"]),
+    ("wresnet", ["ZeRO-2", "ILP"]),
+])
+def test_tiny_suites_run_and_match_serial(suite, methods, tmp_path):
+  rows = bench_run.run([suite], "tiny", methods, num_devices=8, repeat=1, show=False)
+  assert len(rows) == len(methods)
+  for r in rows:
+    assert r.status == "ok", (r.method, r.reason)
+    assert r.matches_serial, (r.method, r.loss, r.serial_loss)
+    assert r.step_time_mean_s > 0 and r.bytes_per_device > 0 and r.projected_h100_s > 0
+    assert 0 < r.projected_mfu < 1 and r.params > 0 and r.model_flops > 0
+  bench_run.write(rows, tmp_path)
+  bench_run.write(rows[:1], tmp_path)  # appends
+  back = bench_run.read_csv(tmp_path / "results.csv")
+  assert len(back) == len(rows) + 1
+  for b, r in zip(back, rows):  # typed columns come back typed
+    assert b.method == r.method and b.status == "ok" and b.matches_serial is True
+    assert isinstance(b.bytes_per_device, int) and isinstance(b.num_devices, int)
+    assert b.step_time_mean_s == pytest.approx(r.step_time_mean_s)
+    assert b.formula_flops == r.formula_flops
+  table = bench_run.summary(rows)
+  assert table[0]["model"] == f"{suite}-tiny"
+
+
+def test_unknown_sizes_and_suites_are_typed_errors():
+  with pytest.raises(errors.InvalidArgumentError, match=r"size='huge'.*tiny, small"):
+    workload("gpt", "huge")
+  with pytest.raises(errors.InvalidArgumentError, match=r"paper-1.3B"):
+    workload("gpt", "paper-2B")
+  with pytest.raises(errors.InvalidArgumentError, match=r"suite='bert'"):
+    workload("bert", "tiny")
