@@ -20,6 +20,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
+	-$(VENV)/bin/jaxdist bench --suite all --size tiny --out bench/results/suites --readme bench/README.md
 	-$(PY) bench/zero_memory.py
 	-$(PY) bench/overhead.py
 	-$(PY) bench/accumulation.py

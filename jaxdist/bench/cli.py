@@ -21,6 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--no-scaling", action="store_true", help="skip the 1/2/4/8-device GPT runs")
   p.add_argument("--no-plots", action="store_true")
   p.add_argument("--json", action="store_true", help="print the rows as JSON")
+  p.add_argument("--readme", default=None,
+                 help="also write this run's table and plots as markdown (bench/README.md)")
 
 
 def main(args) -> int:
@@ -48,6 +50,11 @@ def main(args) -> int:
   plots = [] if args.no_plots else __import__("jaxdist.bench.plots", fromlist=["plot"]).plot(
       rows, args.out)
   table = bench_run.summary(rows)
+  if args.readme:
+    from pathlib import Path
+
+    readme = Path(args.readme)
+    readme.write_text(bench_run.markdown(rows, plots, readme))
   if args.json:
     print(json.dumps({"rows": [dataclasses.asdict(r) for r in rows], "summary": table}, indent=1))
     return 0
