@@ -300,3 +300,29 @@ def test_find_repeats_finds_tandem_copies():
   eqns = jax.make_jaxpr(f)(jnp.ones(4)).jaxpr.eqns
   assert find_repeats(eqns, min_period=48) == [Repeat(start=1, period=60, copies=3)]
   assert find_repeats(eqns, min_period=61) == []
+
+
+def _fused_qkv_step(params, batch):
+  def loss_fn(p):
+    qkv = batch["x"] @ p["qkv"]  # GPT-2's c_attn: one matmul, then a split
+    q, k, v = jnp.split(qkv, 3, axis=-1)
+    mixed = jnp.concatenate([q * k, v], axis=-1)
+    return jnp.mean((mixed @ p["out"]) ** 2)
+
+  loss, grads = jax.value_and_grad(loss_fn)(params)
+  return jax.tree.map(lambda a, g: a - 0.1 * g, params, grads), loss
+
+
+def test_split_and_concatenate_are_planned_not_replicated():
+  """Hugging Face GPT-2's fused qkv split (and Llama's rotate_half concatenate) have rules."""
+  params = {"qkv": jax.random.normal(jax.random.key(0), (32, 96)) * 0.1,
+            "out": jax.random.normal(jax.random.key(1), (64, 8)) * 0.1}
+  batch = {"x": jax.random.normal(jax.random.key(2), (64, 32))}
+  expected = jax.jit(_fused_qkv_step)(params, batch)
+  step = jd.parallelize(_fused_qkv_step, method=jd.ShardParallel(logical_mesh_shape=(8,)))
+  import warnings
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", errors.JaxdistWarning)
+    exe = step.get_executable(params, batch)
+  assert not any("lack of a sharding rule" in n for n in exe.plan.notes), exe.plan.notes
+  assert_trees_close(exe(params, batch), expected, rtol=1e-5, atol=1e-6)

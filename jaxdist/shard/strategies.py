@@ -7,7 +7,7 @@ shared with the producer, which keeps the ILP small) or a list of :class:`Strate
 
 - elementwise ops, convert, select: follow the largest operand;
 - broadcast_in_dim, reshape, transpose, squeeze, expand_dims: follow, mapping dims;
-- slice, pad, concatenate, rev, dynamic_slice/update_slice, cumulative ops, sort, fft:
+- slice, pad, concatenate, split, rev, dynamic_slice/update_slice, cumulative ops, sort, fft:
   follow, with the touched dimensions unsplit;
 - reductions: follow, dropping reduced dims; a split reduced dim costs an all-reduce;
 - dot_general: each mesh axis splits one batch dim, the lhs free dim, the rhs free dim or
@@ -144,7 +144,7 @@ def rule_for(eqn, cost_model: CostModel, produced: Callable,
   if name in ("reshape", "squeeze", "expand_dims"):
     return _reshape(eqn, sizes)
   if name in ("slice", "pad", "rev", "dynamic_slice", "dynamic_update_slice", "concatenate",
-              "sort", "fft") or name in CUMULATIVE:
+              "split", "sort", "fft") or name in CUMULATIVE:
     return _touching(eqn, sizes)
   if name == "iota":
     shape = _shape(eqn.outvars[0])
@@ -305,6 +305,8 @@ def _touching(eqn, sizes) -> Follow:
     touched = {eqn.params.get("dimension", eqn.params.get("axis", len(in_shape) - 1))}
   elif name == "concatenate":
     touched = {eqn.params["dimension"]}
+  elif name == "split":
+    touched = {eqn.params["axis"]}
   elif name == "rev":
     touched = set(eqn.params["dimensions"])
   elif name == "fft":
