@@ -3,13 +3,12 @@ the single-device semantics under DataParallel and ZeRO with jaxdist.grad: gradi
 computed over the whole batch, not per device. Numerics: SGD with momentum, rtol 1e-5 /
 atol 1e-6 against the serial step."""
 
-import jax
 import pytest
 
 import jaxdist as jd
+from jaxdist import models
 from jaxdist.bench import wresnet
 from jaxdist.coupling import batch_coupling
-from jaxdist import models
 from jaxdist.trace import trace_step
 from helpers import assert_trees_close, serial, to_host
 

@@ -110,7 +110,7 @@ def _setup(args):
   return model, cluster
 
 
-def _config(args, model, cluster) -> ParallelConfig | None:
+def _config(args) -> ParallelConfig | None:
   given = {k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep") if getattr(args, k)}
   if not given:
     return None
@@ -124,7 +124,7 @@ def _config(args, model, cluster) -> ParallelConfig | None:
 
 def _evaluation(args) -> Evaluation:
   model, cluster = _setup(args)
-  config = _config(args, model, cluster)
+  config = _config(args)
   kw = dict(global_batch_size=args.global_batch, seq_len=args.seq, precision=args.precision,
             optimizer=args.optimizer)
   if config is not None:

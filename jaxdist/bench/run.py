@@ -8,8 +8,8 @@ compile seconds, the mesh or stage layout, the first step's loss against the sin
 step, and a projected step time on one H100 node from the compiled HLO:
 
     SPMD:      flops_per_device / reached + Σ_collectives (count·α + β·wire_bytes)
-    pipeline:  (m + p − 1) · max_stage (forward + backward flops per micro-batch) / reached
-               + the same collective term
+    pipeline:  (m + p − 1) · (max_stage (forward + backward flops per micro-batch) / reached
+               + max_boundary 2 (α + β · activation bytes))  + the same collective term
 
 with α = 10 µs, β = 1/450 GB/s, reached = 400 TFLOP/s (``suites.H100_NODE``); projected MFU
 is against the 989 TFLOP/s peak.
@@ -80,9 +80,14 @@ def projected_seconds(exe, k: int = 1) -> float:
              for s in exe.communication().values())
   stages = getattr(exe, "stages", None)
   if stages:
-    per_mb = max(sum(float(p.cost_analysis().get("flops", 0.0)) for p in (st.forward, st.backward))
-                 for st in stages)
-    return (k + len(stages) - 1) * per_mb / H100_NODE["reached_flops"] + comm
+    compute = max(sum(float(p.cost_analysis().get("flops", 0.0)) for p in (st.forward, st.backward))
+                  for st in stages) / H100_NODE["reached_flops"]
+    # Activations into a stage and their cotangents back, per micro-batch (device_puts
+    # between sub-meshes, not collectives).
+    transfer = max((2 * (H100_NODE["alpha"] + H100_NODE["beta"] * sum(
+        math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in st.in_avals))
+        for st in stages[1:]), default=0.0)
+    return (k + len(stages) - 1) * (compute + transfer) + comm
   return float(exe.cost_analysis().get("flops", 0.0)) / H100_NODE["reached_flops"] + comm
 
 
