@@ -153,6 +153,7 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
       strategies = input_strategies(shape, sizes, nbytes(v), penalty)
     producer[v] = (new_node(f"input {k}", strategies, input_index=k), 0)
 
+  expanded: set = set()  # values broadcast up from fewer elements (see _track_expanded)
   for eqn in jaxpr.eqns:
     if not eqn.outvars:  # nothing to shard (jaxdist.mark_pipeline_boundary, say)
       continue
@@ -163,7 +164,9 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
           producer[v_out] = producer[v_in]
       continue
     rule = rule_for(eqn, cost_model, lambda v: _has_producer(v, producer),
-                    lambda v: group_sizes[nodes[producer[v][0]].group])
+                    lambda v: group_sizes[nodes[producer[v][0]].group],
+                    lambda v: v in expanded)
+    _track_expanded(eqn, expanded)
     if rule is None or (isinstance(rule, list) and not rule):
       if eqn.primitive.name not in unknown:
         unknown.append(eqn.primitive.name)
@@ -285,3 +288,23 @@ def _add_edge(group_costs, edge_costs, cost_model, members, nodes, flow: Flow, p
     return
   key = (src.group, dst_group)
   edge_costs[key] = edge_costs[key] + matrix if key in edge_costs else matrix
+
+
+def _track_expanded(eqn, expanded: set) -> None:
+  """Marks values that are a smaller value broadcast up (a batch statistic spread over the
+  batch, a softmax's max over its row), and elementwise results of only such values: an
+  elementwise op should follow its other operand, whose layout carries real splits."""
+  name = eqn.primitive.name
+  out = eqn.outvars[0] if eqn.outvars else None
+  if out is None or isinstance(out, jex.DropVar):
+    return
+  size = math.prod(getattr(out.aval, "shape", ()))
+  if name == "broadcast_in_dim":
+    operand = eqn.invars[0]
+    if math.prod(getattr(operand.aval, "shape", ())) < size:
+      expanded.add(out)
+  elif name in ELEMENTWISE:
+    full = [v for v in eqn.invars if not isinstance(v, jex.Literal)
+            and math.prod(getattr(v.aval, "shape", ())) == size]
+    if full and all(v in expanded for v in full):
+      expanded.add(out)

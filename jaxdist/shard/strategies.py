@@ -105,13 +105,16 @@ def _replicated_strategy(eqn, name: str, cost: float = 0.0) -> Strategy:
 
 
 def rule_for(eqn, cost_model: CostModel, produced: Callable,
-             freedom: Callable = lambda v: 0) -> Follow | list[Strategy] | None:
+             freedom: Callable = lambda v: 0,
+             expanded: Callable = lambda v: False) -> Follow | list[Strategy] | None:
   """The rule for ``eqn``; None means: no rule (replicate and warn).
 
   ``produced(var)`` tells whether an operand comes from another node (not a literal):
   only those can be followed. ``freedom(var)`` is the number of choices of the
-  operand's group: among equally large operands, the freest is followed (a causal mask
-  built from an iota must not decide the layout of the attention scores).
+  operand's group: among equally large operands, one that is not a smaller value
+  broadcast up (``expanded(var)``: BatchNorm's statistics, a softmax's row max) is
+  followed, then the freest (a causal mask built from an iota must not decide the
+  layout of the attention scores).
   """
   name = eqn.primitive.name
   sizes = cost_model.axis_sizes
@@ -124,7 +127,7 @@ def rule_for(eqn, cost_model: CostModel, produced: Callable,
               for s in enumerate_specs(_shape(out), sizes)]
     return [_replicated_strategy(eqn, f"{name} (constant)")]
   if name in ELEMENTWISE or _is_elementwise_call(eqn):
-    return _elementwise(eqn, produced, freedom)
+    return _elementwise(eqn, produced, freedom, expanded)
   if name == "dot_general":
     # A transformer's blocks repeat the same dots: their strategies are built once.
     key = (_shape(eqn.invars[0]), _shape(eqn.invars[1]), eqn.params["dimension_numbers"],
@@ -171,7 +174,7 @@ def _is_elementwise_call(eqn) -> bool:
           and all(e.primitive.name in ELEMENTWISE | {"broadcast_in_dim"} for e in inner.eqns))
 
 
-def _elementwise(eqn, produced, freedom) -> Follow | None:
+def _elementwise(eqn, produced, freedom, expanded=lambda v: False) -> Follow | None:
   shape = _shape(eqn.outvars[0])
   candidates = [i for i, v in enumerate(eqn.invars)
                 if produced(v) and len(_shape(v)) == len(shape)]
@@ -182,6 +185,7 @@ def _elementwise(eqn, produced, freedom) -> Follow | None:
   # Follow the produced operand with the most elements (all operands may broadcast),
   # then the one whose group has the most choices.
   lead = max(candidates, key=lambda i: (math.prod(_shape(eqn.invars[i])),
+                                        not expanded(eqn.invars[i]),
                                         freedom(eqn.invars[i]), -i))
   lead_shape = _shape(eqn.invars[lead])
 
