@@ -326,3 +326,17 @@ def test_split_and_concatenate_are_planned_not_replicated():
     exe = step.get_executable(params, batch)
   assert not any("lack of a sharding rule" in n for n in exe.plan.notes), exe.plan.notes
   assert_trees_close(exe(params, batch), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_batch_norm_statistics_do_not_force_all_gathers():
+  """BatchNorm's ``(x - mean) * rsqrt(var)``: the elementwise ops follow x (split on the
+  batch), not the broadcast statistic (replicated), so a data-parallel plan moves no
+  activations (it all-gathered one per BatchNorm before)."""
+  from jaxdist.bench import wresnet
+
+  config = wresnet.WResNetConfig(image_size=8, base_width=4, width_factor=2)
+  method = jd.ShardParallel(logical_mesh_shape=(8,), auto_sharding_option=jd.AutoShardingOption(
+      force_data_parallel=True, plan_cache=False))
+  exe = jd.parallelize(wresnet.train_step(jd.value_and_grad), method=method).get_executable(
+      wresnet.create_state(config), wresnet.batch(16, config))
+  assert set(exe.communication()) == {"all-reduce"}, exe.communication()
