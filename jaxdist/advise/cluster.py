@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import shutil
 import subprocess
@@ -13,8 +14,9 @@ from jaxdist.advise.specs import _load
 
 
 def devices() -> dict[str, dict[str, Any]]:
-  """The device presets: name → memory, peak flops, bandwidths, latencies, $/hour."""
-  return _load("devices.json")
+  """The device presets: name → memory, peak flops, bandwidths, latencies, $/hour (a
+  copy: edit a cluster's figures with ``Cluster(..., overrides=...)``)."""
+  return copy.deepcopy(_load("devices.json"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +52,7 @@ class Cluster:
   overrides: dict | None = None
 
   def __post_init__(self):
-    table = devices()
+    table = _load("devices.json")
     if not isinstance(self.device, str) or self.device.lower() not in table:
       raise errors.InvalidArgumentError(
           f"Cluster(device={self.device!r}) is not a device preset; valid: {', '.join(table)}.")
@@ -74,7 +76,7 @@ class Cluster:
 
   @property
   def kind(self) -> DeviceKind:
-    preset = dict(devices()[self.device.lower()], **(self.overrides or {}))
+    preset = dict(_load("devices.json")[self.device.lower()], **(self.overrides or {}))
     return DeviceKind(name=self.device.lower(), **preset)
 
   @property

@@ -120,13 +120,10 @@ def stage_params(model: ModelSpec, config: ParallelConfig, stage: str) -> tuple[
                       + moe_share * model.dense_params_per_moe_layer())
     expert = layers * moe_share * model.expert_params_per_layer()
   first, last = stage in ("first", "both"), stage in ("last", "both")
-  ends = 0.0
-  if first or (last and model.tied_embeddings):
-    ends += model.embedding_params()
-  if last:
-    ends += model.head_params()
-  if first and last and model.tied_embeddings:  # one copy on a single stage
-    ends = model.embedding_params() + model.head_params()
+  ends = model.embedding_params() if first else 0.0
+  if last:  # a tied head on another stage keeps its own copy of the embedding
+    ends += model.head_params() + (model.embedding_params()
+                                   if model.tied_embeddings and not first else 0.0)
   return (dense + ends) / c.tp, expert / (c.tp * c.ep)
 
 

@@ -9,6 +9,7 @@ and shared/routed experts for DeepSeek.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
@@ -20,7 +21,9 @@ DIRECTORY = Path(__file__).resolve().parents[2] / "strategies" / "advise"
 FAMILIES = ("gpt", "llama")
 
 
+@functools.lru_cache(maxsize=None)
 def _load(name: str) -> dict[str, Any]:
+  """A presets file, read once per process (callers must not mutate it)."""
   with open(DIRECTORY / name) as f:
     return {k: v for k, v in json.load(f).items() if not k.startswith("_")}
 
@@ -120,7 +123,8 @@ class ModelSpec:
   @classmethod
   def from_hf_config(cls, config: str | Path | dict, **overrides) -> "ModelSpec":
     """From a Hugging Face ``config.json`` (path or dict) of the Llama, Mistral/Mixtral,
-    Qwen2, DeepSeek-V2/V3 or GPT-2 families."""
+    Qwen2, DeepSeek-V2/V3 or GPT-2 families. ``seq_len`` defaults to the context length
+    capped at 8192 (the training length, not the extended one); override it."""
     if not isinstance(config, dict):
       with open(config) as f:
         config = json.load(f)
@@ -140,7 +144,7 @@ class ModelSpec:
                     head_dim=g("head_dim"), tied_embeddings=bool(g("tie_word_embeddings", False)),
                     qkv_bias=bool(g("attention_bias", kind == "qwen2")),
                     num_experts=experts,
-                    experts_per_token=g("num_experts_per_tok") or 1 if experts > 1 else 1)
+                    experts_per_token=(g("num_experts_per_tok") or 1) if experts > 1 else 1)
       if kind.startswith("deepseek"):
         fields.update(moe_ffn_hidden_size=g("moe_intermediate_size"),
                       num_shared_experts=g("n_shared_experts") or 0,

@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxdist import jaxpr_util, progress
@@ -98,10 +97,6 @@ def _layout(exe) -> str:
   return "x".join(map(str, exe.plan.mesh_shape))
 
 
-def _copy(tree):
-  return jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, tree)
-
-
 def run_method(w: Workload, name: str, kind: str, method, devices, repeat: int,
                serial_loss: float, flops: float, params: int) -> Row:
   import jaxdist as jd
@@ -171,7 +166,7 @@ def run(suites: list[str], size: str = "tiny", method_names: list[str] | None = 
       if w.name not in reference:
         state = w.make_state()
         params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
-        serial = float(np.asarray(jax.jit(w.step)(_copy(state), w.batch)[1]["loss"]))
+        serial = float(np.asarray(jax.jit(w.step)(state, w.batch)[1]["loss"]))
         reference[w.name] = (serial, model_flops(w, state), params)
       serial, flops, params = reference[w.name]
       row = run_method(w, name, kind, method, devs, repeat, serial, flops, params)

@@ -16,9 +16,12 @@ from typing import Any, Callable
 import jax
 
 from jaxdist import models
+from jaxdist.mesh import DEVICE_COSTS
 
-# One H100 SXM node: NVLink α/β, the dense bf16 rate large matmuls reach (and the peak).
-H100_NODE = {"alpha": 10e-6, "beta": 1 / 450e9, "reached_flops": 400e12, "peak_flops": 989e12}
+# One H100 SXM node: NVLink α/β and the dense bf16 peak of jaxdist.mesh.DEVICE_COSTS, and
+# the rate large matmuls reach in practice.
+_ALPHA, _BETA, _PEAK = DEVICE_COSTS["h100"]
+H100_NODE = {"alpha": _ALPHA, "beta": _BETA, "reached_flops": 400e12, "peak_flops": _PEAK}
 
 # Alpa's GPT benchmark sizes (benchmark/alpa/suite_auto_gpt.py): seq, hidden, layers, heads.
 GPT_PAPER = {"125M": (1024, 768, 12, 12), "350M": (1024, 1024, 24, 16),
