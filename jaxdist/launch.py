@@ -36,7 +36,8 @@ def init_distributed() -> None:
   ``jax.distributed.initialize`` with the coordinator and process id. With
   ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` set (hosts
   started by hand, see ``jaxdist advise launch``) it uses those. Anywhere else (SLURM,
-  Kubernetes, TPU pods) it defers to ``jax.distributed.initialize()``'s own detection. A second call does nothing.
+  Kubernetes, TPU pods) it defers to ``jax.distributed.initialize()``'s own detection.
+  A second call does nothing.
   """
   import jax
 

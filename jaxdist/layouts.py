@@ -178,10 +178,12 @@ def data_parallel_layout(method: m.Method, step: TracedStep, lmesh: LogicalMesh)
     else:
       out_specs.append(REPLICATED)
   grad_reduce_specs = None
-  coupled = batch_coupling(step) if uses_marker(method, step) else None
+  per_device = uses_marker(method, step)
+  coupled = batch_coupling(step) if per_device else None
   if coupled and micro_batches == 1:
     # Per-device gradients would use per-device batch statistics: let XLA run the whole
     # batch as the single-device step does (gradients reduced by XLA).
+    per_device = False
     notes.append(f"the step mixes examples beyond the loss's mean ({coupled}); gradients "
                  f"are computed over the whole batch as one program, as the single-device "
                  f"step does, not per device")
@@ -189,7 +191,7 @@ def data_parallel_layout(method: m.Method, step: TracedStep, lmesh: LogicalMesh)
     notes.append(f"the step mixes examples beyond the loss's mean ({coupled}); with "
                  f"num_micro_batches={micro_batches} each micro-batch on each device uses its "
                  f"own statistics")
-  if uses_marker(method, step) and not (coupled and micro_batches == 1):
+  if per_device:
     marker = step.closed_jaxpr.jaxpr.eqns[step.marker_index]
     grad_reduce_specs = tuple(
         shard_largest_dim(v.aval.shape, lmesh) if kind == GRAD and sharded_roles else None

@@ -73,7 +73,8 @@ def dry_run(e, num_layers: int = 2, timeout_s: float = 900.0) -> dict:
       f"activations {mem['activations'] / GIB:.2f}; allowance {mem['workspace'] / GIB:.2f} not "
       f"included)",
       f"  jaxdist.estimate  {xla['estimate'] / GIB:8.2f} GiB/device (analytic, from the traced step)",
-      f"  XLA compiled      {xla['compiled'] / GIB:8.2f} GiB/device (arguments {xla['argument'] / GIB:.2f}"
+      f"  XLA compiled      {xla['compiled'] / GIB:8.2f} GiB/device "
+      f"(arguments {xla['argument'] / GIB:.2f}"
       f" + outputs - donated + temporaries {xla['temp'] / GIB:.2f}), compiled in {xla['seconds']:.1f} s",
       f"  formula / XLA     {without_allowance / xla['compiled']:8.2f}"])
   return {"formula_bytes": without_allowance, "formula_states_bytes": states,

@@ -143,7 +143,8 @@ class Evaluation:
 
 
 def _check_batch(global_batch_size) -> None:
-  if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+  n = global_batch_size
+  if isinstance(n, bool) or not isinstance(n, int) or n < 1:
     raise errors.InvalidArgumentError(
         f"global_batch_size={global_batch_size!r} must be a positive integer (sequences per step).")
 
@@ -167,6 +168,7 @@ def evaluate(model: ModelSpec, cluster: Cluster, config: ParallelConfig, *, glob
                         allow_cross_node_tp=allow_cross_node_tp)
   if precision == "fp8" and not cluster.kind.peak_fp8_flops:
     violations.append(f"fp8: {cluster.device} has no fp8 matrix units; use precision='bf16'")
-  time = step_time(model, cluster, config, global_batch_size=global_batch_size, precision=precision, optimizer=optimizer)
+  time = step_time(model, cluster, config, global_batch_size=global_batch_size,
+                   precision=precision, optimizer=optimizer)
   return Evaluation(model, cluster, config, global_batch_size, s, precision, optimizer, memory,
                     violations, time)

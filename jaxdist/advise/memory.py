@@ -164,7 +164,8 @@ def stage_memory(model: ModelSpec, config: ParallelConfig, *, global_batch_size:
   elif c.schedule == "gpipe":
     in_flight = float(m)
   elif first:
-    in_flight = min(c.pp, m) * (1 + (c.pp - 1) / (c.pp * c.virtual_stages) if c.virtual_stages > 1 else 1)
+    interleaved = 1 + (c.pp - 1) / (c.pp * c.virtual_stages) if c.virtual_stages > 1 else 1
+    in_flight = min(c.pp, m) * interleaved
   else:
     in_flight = 1.0
   tokens = s / c.cp * b

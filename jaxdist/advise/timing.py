@@ -26,7 +26,8 @@ states once.
 Two bounds: ``no_overlap`` adds everything; ``overlap`` (the estimate reported as the step
 time) hides the gradient reduction behind the last micro-batch's backward pass, ZeRO-3's
 gathers behind each micro-batch's compute (as Megatron-LM and FSDP do) and the context
-ring behind the attention math, each in at most ``OVERLAP`` (80 %) of that compute window. A group uses the
+ring behind the attention math, each in at most ``OVERLAP`` (80 %) of that compute window.
+A group uses the
 node's link if its devices lie in one node (devices ordered tp, cp, dp, pp), else the
 network's.
 """
@@ -102,9 +103,12 @@ def step_time(model: ModelSpec, cluster: Cluster, config: ParallelConfig, *,
 
   fwd = model.forward_flops_per_token()
   passes = 3.0 + (1.0 if c.recompute == "full" else 0.0)
-  layer_flops = tokens_mb * (fwd["layers"] + fwd["attention"]) / model.num_layers * layers
-  recompute_attention = tokens_mb * fwd["attention"] / model.num_layers * layers if c.recompute == "selective" else 0.0
-  mb_flops = (layer_flops * passes + recompute_attention + 3.0 * tokens_mb * fwd["logits"]) / (c.tp * c.cp)
+  # Forward flops of the stage's layers for one micro-batch (attention's part apart).
+  attention_flops = tokens_mb * fwd["attention"] / model.num_layers * layers
+  layer_flops = tokens_mb * fwd["layers"] / model.num_layers * layers + attention_flops
+  recompute_attention = attention_flops if c.recompute == "selective" else 0.0
+  mb_flops = ((layer_flops * passes + recompute_attention + 3.0 * tokens_mb * fwd["logits"])
+              / (c.tp * c.cp))
   matmul_s = mb_flops / rate
   traffic = activation_bytes_per_layer(model, b, s, tp=c.tp, cp=c.cp, sequence_parallel=sp,
                                        act_bytes=act_bytes)
@@ -117,14 +121,15 @@ def step_time(model: ModelSpec, cluster: Cluster, config: ParallelConfig, *,
   ep_mb = 0.0
   if c.ep > 1:
     alpha, bw = cluster.link(c.tp * c.cp * c.ep)
-    per = (c.ep - 1) * alpha + boundary / (c.tp if sp else 1) * model.experts_per_token * (c.ep - 1) / c.ep / bw
+    dispatched = boundary / (c.tp if sp else 1) * model.experts_per_token
+    per = (c.ep - 1) * alpha + dispatched * (c.ep - 1) / c.ep / bw
     ep_mb = (4 + (2 if c.recompute == "full" else 0)) * moe_layers * per
   cp_mb = 0.0
   if c.cp > 1:
     alpha, bw = cluster.link(c.tp * c.cp)
     kv = 2 * act_bytes * tokens_mb / c.cp * model.kv_dim / c.tp
     ring = (c.cp - 1) * (alpha + kv / bw) * passes * layers
-    attention_s = tokens_mb * fwd["attention"] / model.num_layers * layers * passes / (c.tp * c.cp) / rate
+    attention_s = attention_flops * passes / (c.tp * c.cp) / rate
     cp_mb = max(0.0, ring - OVERLAP * attention_s)
   pp_mb = 0.0
   if p > 1:
