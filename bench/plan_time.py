@@ -32,10 +32,16 @@ def measure(depth):
   batch = models.token_batch(8, config)
   state = models.create_state(models.GPT(config), batch["tokens"][:, :-1], tx=optax.adam(1e-3))
   dp = jd.parallelize(models.lm_step(), method=jd.DataParallel()).get_executable(state, batch)
-  start = time.perf_counter()
-  jax.jit(models.lm_step(), in_shardings=dp.input_shardings,
-          out_shardings=dp.output_shardings).lower(state, batch).compile()
-  hand_s = time.perf_counter() - start
+  jitted = jax.jit(models.lm_step(), in_shardings=dp.input_shardings,
+                   out_shardings=dp.output_shardings)
+  marks = [time.perf_counter()]
+  traced = jitted.trace(state, batch)
+  marks.append(time.perf_counter())
+  lowered = traced.lower()
+  marks.append(time.perf_counter())
+  lowered.compile()
+  marks.append(time.perf_counter())
+  hand = dict(zip(("trace_s", "lower_s", "compile_s"), (b - a for a, b in zip(marks, marks[1:]))))
   method = jd.ShardParallel(logical_mesh_shape=(8,))
   start = time.perf_counter()
   exe = jd.parallelize(models.lm_step(), method=method).get_executable(state, batch)
@@ -43,8 +49,13 @@ def measure(depth):
   start = time.perf_counter()
   jd.parallelize(models.lm_step(), method=method).get_executable(state, batch)
   cached_s = time.perf_counter() - start
-  eqns = len(exe._step.closed_jaxpr.jaxpr.eqns)
-  return hand_s, ours_s, cached_s, eqns
+  eqns = len(exe.traced_step.closed_jaxpr.jaxpr.eqns)
+  return sum(hand.values()), ours_s, cached_s, eqns, hand, exe.timings
+
+
+def phases(timings):
+  return "  ".join(f"{k[:-2]} {timings.get(k, 0.0):.2f}"
+                   for k in ("trace_s", "plan_s", "lower_s", "compile_s"))
 
 
 def main():
@@ -58,12 +69,13 @@ def main():
         f"{'cached s':>9} {'ratio':>6}")
   rows = {}
   for depth in (6, 12):
-    hand_s, ours_s, cached_s, eqns = rows[depth] = measure(depth)
+    hand_s, ours_s, cached_s, eqns, hand, ours = rows[depth] = measure(depth)
     ratio, cached = ours_s / hand_s, cached_s / hand_s
     ok &= ratio <= 1.5 and cached <= 1.1
     print(f"{depth:>6} {eqns:>9} {hand_s:>15.2f} {ours_s:>13.2f} {ratio:>6.2f} {cached_s:>9.2f} "
           f"{cached:>6.2f}  (goals: <= 1.5 {common.verdict(ratio <= 1.5)}, cached <= 1.1 "
           f"{common.verdict(cached <= 1.1)})")
+    print(f"{'':>6} seconds by phase: hand {phases(hand)}; ShardParallel {phases(ours)}")
   growth = (rows[12][1] / rows[6][1]) / (rows[12][0] / rows[6][0])
   ok &= growth <= 1.2
   print(f"first call's growth 6 -> 12 blocks over the hand compile's: {growth:.2f} "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -91,6 +92,7 @@ class Planned:
     layout: the method's shardings.
     shard_plan: the shard planner's result (ShardParallel), else None.
     static_argnums: the argument numbers treated as static.
+    timings: seconds spent tracing (``trace_s``) and planning (``plan_s``).
   """
 
   traced: Any
@@ -98,6 +100,7 @@ class Planned:
   layout: Any
   shard_plan: Any
   static_argnums: tuple[int, ...]
+  timings: dict
 
 
 class ParallelizedFunc:
@@ -229,10 +232,14 @@ class ParallelizedFunc:
     static = self._static_argnums(args)
     self._check_args(args, static)
     request = self._request()
+    start = time.perf_counter()
     traced = self._trace_spmd(args, static, request)
+    timings = {"trace_s": time.perf_counter() - start}
+    start = time.perf_counter()
     with recomputing(request):
       step, layout, shard_plan = self._plan(self.method, traced, args, static, self._mesh())
-    planned = Planned(traced, step, layout, shard_plan, static)
+    timings["plan_s"] = time.perf_counter() - start
+    planned = Planned(traced, step, layout, shard_plan, static, timings)
     _, key = self._key(args, static)
     if key is not None and key not in self._executables:
       self._planned = {key: planned}  # the compile that follows starts from it
@@ -282,7 +289,10 @@ class ParallelizedFunc:
                                         jaxpr_util.CALLS).micro_jaxpr
 
       return PipelineExecutable(self.method, step, lmesh, dyn_argnums, retrace)
+    start = time.perf_counter()
     traced = planned.traced if planned else self._trace_spmd(args, static, request)
+    timings = dict(planned.timings) if planned else {"trace_s": time.perf_counter() - start}
+    timings.setdefault("plan_s", 0.0)
     with recomputing(request):
       method = self.method
       budget = (method.options.memory_budget_per_device
@@ -292,14 +302,16 @@ class ParallelizedFunc:
           if attempt == 0 and planned is not None:
             result = planned.step, planned.layout, planned.shard_plan
           else:
+            start = time.perf_counter()
             result = self._plan(method, traced, args, static, lmesh)
+            timings["plan_s"] += time.perf_counter() - start
         except errors.InfeasiblePlanError:
           if attempt == 0:
             raise
           attempt -= 1  # no plan meets the tighter budget: keep the last one
           break
         step, layout, shard_plan = result
-        compiled = compile_layout(step, layout)
+        compiled = compile_layout(step, layout, timings)
         used = allocation_bytes(compiled)
         if budget is None or used <= budget or attempt == BUDGET_RETRIES:
           break
@@ -318,7 +330,7 @@ class ParallelizedFunc:
                       f"planner's memory estimate is below XLA's here.", errors.JaxdistWarning,
                       stacklevel=3)
       plan = dataclasses.replace(plan, notes=plan.notes + (note,))
-    return Executable(step, layout, compiled, plan, dyn_argnums)
+    return Executable(step, layout, compiled, plan, dyn_argnums, timings)
 
   def _trace_spmd(self, args, static, request):
     """The traced step of an SPMD method (with its recomputation request applied)."""

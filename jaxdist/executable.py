@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import jax
 import numpy as np
 from jax import tree_util
@@ -67,10 +69,14 @@ class Executable:
     output_shardings: pytree (of the step's outputs) of ``NamedSharding``.
     auto_sharding_objective: the shard planner's objective in seconds, or None for
       methods with fixed layouts.
+    timings: seconds of the first call by phase: ``trace_s`` (the user's step),
+      ``plan_s`` (the method's planning, every re-plan included), ``lower_s`` (the
+      planned step to StableHLO) and ``compile_s`` (XLA).
   """
 
   def __init__(self, step: TracedStep, layout: Layout, compiled, plan: Plan,
-               dyn_argnums: tuple[int, ...]):
+               dyn_argnums: tuple[int, ...], timings: dict | None = None):
+    self.timings = dict(timings or {})
     self._step = step
     self.traced_step = step
     self.layout = layout
@@ -168,8 +174,11 @@ def make_plan(method_name: str, step: TracedStep, layout: Layout, shard_plan=Non
               **extra)
 
 
-def compile_layout(step: TracedStep, layout: Layout):
-  """jax.jit of the traced step with the layout's shardings; returns the Compiled."""
+def compile_layout(step: TracedStep, layout: Layout, timings: dict | None = None):
+  """jax.jit of the traced step with the layout's shardings; returns the Compiled.
+
+  ``timings``: ``lower_s`` and ``compile_s`` are added to it.
+  """
   mesh = layout.logical_mesh.mesh
   in_shardings = tuple(NamedSharding(mesh, s) for s in layout.in_specs)
   out_shardings = tuple(NamedSharding(mesh, s) for s in layout.out_specs)
@@ -194,7 +203,14 @@ def compile_layout(step: TracedStep, layout: Layout):
                    donate_argnums=tuple(sorted(donated)))
   args = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s)
           for leaf, s in zip(step.inputs, in_shardings)]
-  return jitted.lower(*args).compile()
+  start = time.perf_counter()
+  lowered = jitted.lower(*args)
+  lowered_at = time.perf_counter()
+  compiled = lowered.compile()
+  if timings is not None:
+    timings["lower_s"] = timings.get("lower_s", 0.0) + lowered_at - start
+    timings["compile_s"] = timings.get("compile_s", 0.0) + time.perf_counter() - lowered_at
+  return compiled
 
 
 def constrained_fn(closed, mesh, eqn_constraints, operand_constraints=None):

@@ -143,19 +143,45 @@ def _call_body(eqn):
 
 def inline_calls(closed: jex.ClosedJaxpr, primitives: Sequence[str] = CALLS) -> jex.ClosedJaxpr:
   """The same computation with the bodies of ``primitives`` inlined at the top level
-  (``closed`` itself when it calls none of them)."""
+  (``closed`` itself when it calls none of them).
+
+  Rewrites the equations (nothing is traced again): a body's equations get fresh
+  variables, since one body may be called at several places, and its constants become
+  constants of the result.
+  """
   if not any(e.primitive.name in primitives for e in closed.jaxpr.eqns):
     return closed
+  constvars, consts, eqns = list(closed.jaxpr.constvars), list(closed.consts), []
 
-  def run(*args):
-    env = dict(zip(closed.jaxpr.constvars, closed.consts))
-    env.update(zip(closed.jaxpr.invars, args))
-    eval_eqns(closed.jaxpr, env, inline=primitives)
-    return [read(env, v) for v in closed.jaxpr.outvars]
+  def emit(jaxpr, sub: dict, fresh: bool) -> None:
+    for eqn in jaxpr.eqns:
+      invars = [v if isinstance(v, jex.Literal) else sub.get(v, v) for v in eqn.invars]
+      name = eqn.primitive.name
+      body = _call_body(eqn) if name in primitives else None
+      if name in primitives and name == IDENTITY_MARKER:
+        sub.update((o, i) for o, i in zip(eqn.outvars, invars))
+      elif body is not None:
+        inner = dict(zip(body.jaxpr.invars, invars))
+        for v, c in zip(body.jaxpr.constvars, body.consts):
+          inner[v] = jex.Var(v.aval)
+          constvars.append(inner[v])
+          consts.append(c)
+        emit(body.jaxpr, inner, True)
+        sub.update((o, v if isinstance(v, jex.Literal) else inner.get(v, v))
+                   for o, v in zip(eqn.outvars, body.jaxpr.outvars))
+      else:
+        outvars = eqn.outvars
+        if fresh:
+          outvars = [o if isinstance(o, jex.DropVar) else jex.Var(o.aval) for o in outvars]
+          sub.update(zip(eqn.outvars, outvars))
+        eqns.append(eqn.replace(invars=invars, outvars=outvars))
 
-  specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
-           for v in closed.jaxpr.invars]
-  return jax.make_jaxpr(run)(*specs)
+  top: dict = {}
+  emit(closed.jaxpr, top, False)
+  outvars = [v if isinstance(v, jex.Literal) else top.get(v, v) for v in closed.jaxpr.outvars]
+  jaxpr = jex.Jaxpr(constvars, closed.jaxpr.invars, outvars, eqns, closed.jaxpr.effects,
+                    closed.jaxpr.debug_info)
+  return jex.ClosedJaxpr(jaxpr, consts)
 
 
 def needed_eqns(jaxpr, outvars: Sequence, stop: Iterable[int] = ()) -> set[int]:
