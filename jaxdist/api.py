@@ -245,6 +245,17 @@ class ParallelizedFunc:
       self._planned = {key: planned}  # the compile that follows starts from it
     return planned
 
+  def planned_stages(self, *args) -> PipelineExecutable:
+    """PipeshardParallel: traces the step, forms its stages and plans each stage's
+    backward program, compiling nothing (what estimates read: ``.stages``, ``.schedule``)."""
+    if not isinstance(self.method, m.PipeshardParallel):
+      raise errors.InvalidArgumentError(
+          f"planned_stages() is for PipeshardParallel; this step's method is "
+          f"{self.method.name} (use planned()).")
+    static = self._static_argnums(args)
+    self._check_args(args, static)
+    return self._pipeline(args, static, self._mesh(), self._request(), compile=False)
+
   def _request(self):
     return (None if self.method.recompute_modules is None else
             RecomputeRequest.parse(self.method.recompute_modules, self.method.name))
@@ -274,21 +285,7 @@ class ParallelizedFunc:
     request = self._request()
     dyn_argnums = tuple(i for i in range(len(args)) if i not in static)
     if isinstance(self.method, m.PipeshardParallel):
-      with recomputing(request), capture.capturing():
-        step = trace_step(self.fun, args, static, self.batch_argnums, self.donate_argnums)
-        step = dataclasses.replace(step, closed_jaxpr=jaxpr_util.inline_calls(step.closed_jaxpr))
-        k = self.method.num_micro_batches or 1
-        step = (dataclasses.replace(step, micro_jaxpr=step.closed_jaxpr) if k == 1 else
-                with_micro_batch_trace(self.fun, args, static, step, k, jaxpr_util.CALLS))
-      if request is not None:
-        request.check_all_matched(self.method.name)
-
-      def retrace(divisor):  # the step at 1/divisor of the batch (per-device stages)
-        with recomputing(request), capture.capturing():
-          return with_micro_batch_trace(self.fun, args, static, step, divisor,
-                                        jaxpr_util.CALLS).micro_jaxpr
-
-      return PipelineExecutable(self.method, step, lmesh, dyn_argnums, retrace)
+      return self._pipeline(args, static, lmesh, request)
     start = time.perf_counter()
     traced = planned.traced if planned else self._trace_spmd(args, static, request)
     timings = dict(planned.timings) if planned else {"trace_s": time.perf_counter() - start}
@@ -331,6 +328,25 @@ class ParallelizedFunc:
                       stacklevel=3)
       plan = dataclasses.replace(plan, notes=plan.notes + (note,))
     return Executable(step, layout, compiled, plan, dyn_argnums, timings)
+
+  def _pipeline(self, args, static, lmesh, request, compile: bool = True):
+    """The PipelineExecutable of these arguments (``compile=False``: stages planned only)."""
+    dyn_argnums = tuple(i for i in range(len(args)) if i not in static)
+    with recomputing(request), capture.capturing():
+      step = trace_step(self.fun, args, static, self.batch_argnums, self.donate_argnums)
+      step = dataclasses.replace(step, closed_jaxpr=jaxpr_util.inline_calls(step.closed_jaxpr))
+      k = self.method.num_micro_batches or 1
+      step = (dataclasses.replace(step, micro_jaxpr=step.closed_jaxpr) if k == 1 else
+              with_micro_batch_trace(self.fun, args, static, step, k, jaxpr_util.CALLS))
+    if request is not None:
+      request.check_all_matched(self.method.name)
+
+    def retrace(divisor):  # the step at 1/divisor of the batch (per-device stages)
+      with recomputing(request), capture.capturing():
+        return with_micro_batch_trace(self.fun, args, static, step, divisor,
+                                      jaxpr_util.CALLS).micro_jaxpr
+
+    return PipelineExecutable(self.method, step, lmesh, dyn_argnums, retrace, compile)
 
   def _trace_spmd(self, args, static, request):
     """The traced step of an SPMD method (with its recomputation request applied)."""

@@ -39,8 +39,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="path/to/script.py:make_step, a function returning (step, args); "
                    "default: the reference workload of --model")
   est.add_argument("--model", choices=("mlp", "gpt", "bert", "moe"), default="gpt")
-  est.add_argument("--method", choices=("dp", "zero2", "zero3", "shard"), default="shard")
+  est.add_argument("--method", choices=("dp", "zero2", "zero3", "shard", "pipeshard"),
+                   default="shard")
   est.add_argument("--micro-batches", type=int, default=None)
+  est.add_argument("--stages", type=int, default=2,
+                   help="pipeshard: layers and stages (uniform; default 2)")
   est.add_argument("--recompute", default=None, help="recompute_modules, e.g. Block")
   est.add_argument("--compile", action="store_true",
                    help="also compile (nothing allocated) and show XLA's figures beside")
@@ -89,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     from jaxdist import estimate_cli
 
     return estimate_cli.main(args.target, args.model, args.method, args.micro_batches,
-                             args.recompute, args.compile, args.calibrate, args.json)
+                             args.recompute, args.compile, args.calibrate, args.json,
+                             args.stages)
   if args.command == "tune":
     _cpu_devices(args.devices)
     from jaxdist.tune import cli as tune_cli

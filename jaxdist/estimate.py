@@ -26,7 +26,6 @@ import math
 from typing import Any
 
 from jaxdist import calibration
-from jaxdist import errors
 from jaxdist import jaxpr_util
 from jaxdist import methods as m
 from jaxdist.accumulate import align
@@ -67,6 +66,8 @@ class Estimate:
     approximate: True where the memory model is known to be loose (DataParallel/ZeRO on
       a step that uses ``jax.grad`` instead of ``jaxdist.grad``; see ``notes``); tuning
       does not skip candidates on such estimates.
+    stages: PipeshardParallel: one :class:`StageEstimate` per stage (the figures above
+      are the stage with the largest memory_per_device; times are the pipelined step's).
   """
 
   method: str
@@ -82,6 +83,7 @@ class Estimate:
   flops: float = 0.0
   bytes_accessed: float = 0.0
   approximate: bool = False
+  stages: tuple = ()
 
   def summary(self) -> str:
     mib = 2.0**20
@@ -92,6 +94,14 @@ class Estimate:
              f"communication)"]
     for part, b in self.breakdown.items():
       lines.append(f"  {part:<12} {b / mib:10.2f} MiB")
+    for st in self.stages:
+      lines.append(f"  stage {st.index}: {st.num_devices} devices as {st.mesh_shape}, "
+                   f"{st.memory_per_device / mib:.2f} MiB per device ({st.max_in_flight} "
+                   f"micro-batches in flight), {st.seconds_per_micro_batch * 1e3:.3f} ms per "
+                   f"micro-batch"
+                   + ("" if st.compiled_program_bytes is None else
+                      f"; its backward program {st.program_bytes / mib:.2f} MiB, compiled "
+                      f"{st.compiled_program_bytes / mib:.2f} MiB"))
     for kind, c in sorted(self.collectives.items()):
       lines.append(f"  {kind}: {int(c['count'])} x, {c['result_bytes']:.0f} B")
     if self.compiled is not None:
@@ -100,6 +110,43 @@ class Estimate:
                    f"(estimate / compiled = {self.memory_per_device / max(total, 1):.3f})")
     lines += [f"  note: {n}" for n in self.notes]
     return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageEstimate:
+  """One pipeline stage, per device of its sub-mesh.
+
+  Attributes:
+    index: the stage number.
+    layers: (first, last + 1) layer indices.
+    num_devices, mesh_shape: its sub-mesh and the shape its shard plan chose.
+    memory_per_device: bytes at the stage's peak: its backward program (arguments +
+      outputs − donated + temporaries) plus the inputs of the other micro-batches in
+      flight and the optimizer state of its parameters.
+    breakdown: as :attr:`Estimate.breakdown` (``grads`` holds the accumulator,
+      ``activations`` the stage's inputs kept for micro-batches in flight).
+    max_in_flight: the most micro-batches whose inputs the schedule keeps at once.
+    held_bytes: the inputs kept for the other micro-batches in flight.
+    program_bytes: the backward program's own figure, what XLA's ``memory_analysis``
+      of that program adds up.
+    compiled_program_bytes: with ``compile=True``, XLA's figure for that program.
+    seconds_per_micro_batch: forward plus backward (which recomputes the forward).
+    compute_s, communication_s: its parts.
+  """
+
+  index: int
+  layers: tuple[int, int]
+  num_devices: int
+  mesh_shape: tuple[int, ...]
+  memory_per_device: float
+  breakdown: dict[str, float]
+  max_in_flight: int
+  held_bytes: float
+  program_bytes: float
+  compiled_program_bytes: float | None
+  seconds_per_micro_batch: float
+  compute_s: float
+  communication_s: float
 
 
 def estimate(step, *args, method: m.Method | None = None, compile: bool = False,
@@ -117,8 +164,7 @@ def estimate(step, *args, method: m.Method | None = None, compile: bool = False,
       exists.
 
   Raises:
-    InvalidArgumentError: ``method`` is not a jaxdist method, or is PipeshardParallel
-      (whose stages are estimated when it compiles: ``Executable.memory_analysis()``).
+    InvalidArgumentError: ``method`` is not a jaxdist method.
   """
   from jaxdist.api import ParallelizedFunc, parallelize
   if isinstance(step, ParallelizedFunc):
@@ -128,11 +174,19 @@ def estimate(step, *args, method: m.Method | None = None, compile: bool = False,
     func = parallelize(step, method=method)
   method = func.method
   if isinstance(method, m.PipeshardParallel):
-    raise errors.InvalidArgumentError(
-        "estimate(method=PipeshardParallel(...)) is not available yet: estimate its stages' "
-        "method (e.g. ShardParallel on a stage's sub-mesh), or compile it and read "
-        "Executable.memory_analysis() per stage.")
+    from jaxdist.pipeline.estimate import estimate_pipeline
+    return estimate_pipeline(func, args, compile, calibrated)
   planned = func.planned(*args)
+  est = estimate_planned(method, planned, lambda: _micro_step(func, planned, args), calibrated)
+  if compile:
+    est = dataclasses.replace(est, compiled=_compiled_figures(planned))
+  return est
+
+
+def estimate_planned(method: m.Method, planned, micro_step, calibrated: bool = True) -> Estimate:
+  """The estimate of a planned SPMD step (``ParallelizedFunc.planned``); ``micro_step()``
+  returns the program one device runs per micro-batch where the layout reduces
+  gradients itself."""
   layout, lmesh = planned.layout, planned.layout.logical_mesh
   breakdown = dict(params=0.0, optimizer=0.0, batch=0.0, other=0.0)
   for leaf, spec in zip(planned.traced.inputs, layout.in_specs):
@@ -150,7 +204,7 @@ def estimate(step, *args, method: m.Method | None = None, compile: bool = False,
   if planned.shard_plan is not None and layout.grad_reduce_specs is None:
     work = _shard_parallel(planned)
   else:
-    closed = _micro_step(func, planned, args)
+    closed = micro_step()
     size, gathered = nbytes, None
     if planned.shard_plan is not None:
       size = _micro_sizes(planned)
@@ -180,9 +234,8 @@ def estimate(step, *args, method: m.Method | None = None, compile: bool = False,
                  "calibration profile for these devices: jaxdist.calibrate())")
   from jaxdist.executable import make_plan
   plan = make_plan(method.name, planned.step, layout, planned.shard_plan)
-  compiled = _compiled_figures(planned) if compile else None
   return Estimate(method.name, sum(breakdown.values()), breakdown, compute + communication,
-                  compute, communication, collectives, plan, tuple(notes), compiled,
+                  compute, communication, collectives, plan, tuple(notes), None,
                   work.flops, written, work.approximate and planned.shard_plan is None)
 
 

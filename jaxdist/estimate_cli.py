@@ -12,6 +12,7 @@ accelerator is present, so a 64-device configuration can be sized on a laptop;
 from __future__ import annotations
 
 import importlib.util
+import dataclasses
 import json
 from pathlib import Path
 
@@ -46,7 +47,8 @@ def load_step(target: str):
 
 
 def main(target: str | None, model: str, method: str, micro_batches: int | None,
-         recompute: str | None, compile: bool, calibrate: bool, as_json: bool) -> int:
+         recompute: str | None, compile: bool, calibrate: bool, as_json: bool,
+         stages: int = 2) -> int:
   import jax
 
   from jaxdist import calibration
@@ -63,7 +65,15 @@ def main(target: str | None, model: str, method: str, micro_batches: int | None,
     from jaxdist.grad import value_and_grad
 
     step, *args = workload(model, 16, value_and_grad)
-  chosen = METHODS[method](num_micro_batches=micro_batches, recompute_modules=recompute)
+  if method == "pipeshard":
+    from jaxdist.pipeline.layers import AutoLayerOption
+
+    chosen = m.PipeshardParallel(
+        num_micro_batches=micro_batches or 1, recompute_modules=recompute,
+        layer_option=AutoLayerOption(layer_num=stages),
+        stage_option=m.UniformStageOption(num_stages=stages))
+  else:
+    chosen = METHODS[method](num_micro_batches=micro_batches, recompute_modules=recompute)
   est = estimate(step, *args, method=chosen, compile=compile)
   if as_json:
     print(json.dumps({
@@ -72,6 +82,7 @@ def main(target: str | None, model: str, method: str, micro_batches: int | None,
         "step_time_s": est.step_time_s, "compute_s": est.compute_s,
         "communication_s": est.communication_s, "flops": est.flops,
         "collectives": est.collectives, "compiled": est.compiled, "notes": list(est.notes),
+        "stages": [dataclasses.asdict(st) for st in est.stages],
     }, indent=1))
   else:
     print(est.summary())

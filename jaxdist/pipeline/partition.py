@@ -51,6 +51,7 @@ class Stage:
     diff: positions in ``operands`` of the float parameters it differentiates.
     float_in, float_out: positions of float activations in and out (those with
       cotangents).
+    backward_plan: the shard planner's result for the backward program (set when planned).
   """
 
   layers: tuple[int, int]
@@ -75,6 +76,7 @@ class Stage:
   diff: list = dataclasses.field(default_factory=list)
   float_in: list = dataclasses.field(default_factory=list)
   float_out: list = dataclasses.field(default_factory=list)
+  backward_plan: object = None
 
   def run_forward(self, operands, acts_in) -> list:
     return list(self.forward(*operands, *acts_in))

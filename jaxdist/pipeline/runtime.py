@@ -209,10 +209,14 @@ class PipelineExecutable:
     auto_sharding_objective: the stages' shard-plan objectives (backward, plus forward
       where planned, per micro-batch) combined as a pipelined step,
       ``Σ c + (micro-batches − 1) · max c``.
+    state_factor: bytes of parameters and optimizer state per parameter byte.
   """
 
   def __init__(self, method: m.PipeshardParallel, step: TracedStep, lmesh: LogicalMesh,
-               dyn_argnums: tuple[int, ...], retrace=None):
+               dyn_argnums: tuple[int, ...], retrace=None, compile: bool = True):
+    """``compile=False`` forms the stages and plans their backward programs and the
+    update programs, compiling nothing (what ``jaxdist.estimate`` reads: ``stages``,
+    ``schedule``, ``input_shardings``); it cannot run."""
     jaxpr = step.closed_jaxpr.jaxpr
     found = jaxpr_util.find_eqns(jaxpr, capture.pipeline_loss_p.name)
     if len(found) != 1 or jaxpr_util.count_primitive(jaxpr, capture.pipeline_loss_p.name) != 1:
@@ -260,7 +264,7 @@ class PipelineExecutable:
     state_bytes = {role: sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
                              for leaf in step.inputs if leaf.role == role)
                    for role in (PARAM, OPTIMIZER)}
-    state_factor = 1 + state_bytes[OPTIMIZER] / max(state_bytes[PARAM], 1)
+    state_factor = self.state_factor = 1 + state_bytes[OPTIMIZER] / max(state_bytes[PARAM], 1)
     option = self._option = method.default_auto_sharding_option or m.AutoShardingOption()
     stage_shard.check_constraints_used(option, self._operand_paths)
     self._cost_cache: dict = {}  # (devices, backward program text) -> ILP objective
@@ -270,6 +274,15 @@ class PipelineExecutable:
     self._predicted = predicted
     self.schedule: Schedule = make_schedule(method.pipeline_schedule, len(self.stages), k)
     self._full = NamedSharding(lmesh.mesh, PartitionSpec())
+    self._compiling = compile
+    if not compile:
+      for stage in self.stages:
+        self._plan_backward(stage, option)
+        if not isinstance(self._per_device(stage), str):  # gradients summed replicated
+          stage.grad_homes = [NamedSharding(stage.mesh.mesh, PartitionSpec())] * len(stage.diff)
+        stage.grad_homes = stage.grad_homes or [g.sharding for g in stage.grad_avals]
+      self._compile_programs()
+      return
     self._compile_stages(option)
     self._compile_programs()
     self._compile_slicer()
@@ -334,7 +347,8 @@ class PipelineExecutable:
 
     if option is None:
       avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=sharding) for v in reads]
-      compiled = jax.jit(run, out_shardings=sharding).lower(*avals).compile()
+      compiled = (jax.jit(run, out_shardings=sharding).lower(*avals).compile()
+                  if self._compiling else None)
       return Program(reads, tuple(writes), (sharding,) * len(reads), (sharding,) * len(writes),
                      compiled)
     position = {v: i for i, v in enumerate(jaxpr.invars)}
@@ -356,7 +370,8 @@ class PipelineExecutable:
         stage_shard.program_step(lambda values: run(*values),
                                  [[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in reads]],
                                  [roles], [paths], tied, donated),
-        mesh, option, {read_index[v]: spec for v, spec in pins.items() if v in read_index})
+        mesh, option, {read_index[v]: spec for v, spec in pins.items() if v in read_index},
+        compile=self._compiling)
     return Program(reads, tuple(writes), planned.in_shardings, planned.out_shardings,
                    planned.compiled)
 
@@ -506,16 +521,8 @@ class PipelineExecutable:
     self._cot_shardings = {}  # a float activation: where its producer's backward takes its cotangent
     for stage in self.stages:
       bwd_step, fwd_step = self._program_steps(stage)
-      bwd = stage_shard.plan_program(bwd_step, stage.mesh, option, mesh_shape=stage.mesh_shape,
-                                     compile=False)
-      n_ops, n_in, n_cots = len(stage.operands), len(stage.acts_in), len(stage.float_out)
-      stage.mesh = bwd.lmesh
-      avals = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sh)
-               for leaf, sh in zip(bwd_step.inputs, bwd.in_shardings)]
-      stage.operand_avals = avals[:n_ops]
-      stage.in_avals = avals[n_ops:n_ops + n_in]
-      stage.cot_avals = avals[n_ops + n_in:n_ops + n_in + n_cots]
-      stage.grad_avals = avals[n_ops + n_in + n_cots:]
+      bwd = self._plan_backward(stage, option, bwd_step)
+      n_ops, n_in = len(stage.operands), len(stage.acts_in)
       per_device = self._per_device(stage)
       if isinstance(per_device, str):
         stage.note = f"gradients reduced in every micro-batch: {per_device}"
@@ -536,6 +543,24 @@ class PipelineExecutable:
           out_shardings=[g.sharding for g in stage.grad_avals]).lower().compile()
       self._cot_shardings.update((stage.acts_out[p], a.sharding)
                                  for p, a in zip(stage.float_out, stage.cot_avals))
+
+  def _plan_backward(self, stage: Stage, option: m.AutoShardingOption, bwd_step=None):
+    """Plans the stage's backward program (nothing compiles); sets the stage's mesh to the
+    chosen shape and its programs' avals to the plan's shardings."""
+    if bwd_step is None:
+      bwd_step, _ = self._program_steps(stage, with_forward=False)
+    bwd = stage_shard.plan_program(bwd_step, stage.mesh, option, mesh_shape=stage.mesh_shape,
+                                   compile=False)
+    n_ops, n_in, n_cots = len(stage.operands), len(stage.acts_in), len(stage.float_out)
+    stage.mesh = bwd.lmesh
+    avals = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sh)
+             for leaf, sh in zip(bwd_step.inputs, bwd.in_shardings)]
+    stage.operand_avals = avals[:n_ops]
+    stage.in_avals = avals[n_ops:n_ops + n_in]
+    stage.cot_avals = avals[n_ops + n_in:n_ops + n_in + n_cots]
+    stage.grad_avals = avals[n_ops + n_in + n_cots:]
+    stage.backward_plan = bwd.result
+    return bwd
 
   def _per_device(self, stage: Stage):
     """The stage's per-device form (``per_device.PerDeviceStage``), or why it has none."""

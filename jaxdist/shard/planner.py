@@ -32,7 +32,7 @@ from jaxdist.shard.repeats import tie_groups
 from jaxdist.shard.solver import MemoryConstraint, Solution, solve_ilp
 from jaxdist.shard.specs import (DimAxes, divides, enumerate_specs, from_partition_spec,
                                  num_shards, to_partition_spec)
-from jaxdist.shard.strategies import nbytes
+from jaxdist.shard.strategies import ELEMENTWISE, nbytes
 from jaxdist.grad import GRAD
 from jaxdist.trace import BATCH, OPTIMIZER, PARAM, TracedStep, inline_keeping_marker
 
@@ -465,7 +465,8 @@ def layout_of(step: TracedStep, plan: MeshPlan, num_micro_batches: int = 1) -> L
       out_specs.append(to_partition_spec(graph.spec_of(v, choice)))
   # Pin the output of every equation the plan decided (as Alpa does): left to itself,
   # XLA's propagation may place followers differently (an optimizer update computed
-  # replicated and then gathered, say). Equations with no rule are left to XLA.
+  # replicated and then gathered, say). Equations with no rule are left to XLA, and so
+  # are the insides of elementwise chains (each constraint costs compile time).
   eqn_index = {id(e): i for i, e in enumerate(jaxpr.eqns)}
   constraints = {}
   for node in graph.nodes:
@@ -473,6 +474,8 @@ def layout_of(step: TracedStep, plan: MeshPlan, num_micro_batches: int = 1) -> L
       continue
     strategy = node.strategies[choice[node.group]]
     constraints[eqn_index[id(node.eqn)]] = tuple(to_partition_spec(s) for s in strategy.out_specs)
+  for i in _inside_chains(jaxpr, constraints):
+    del constraints[i]
   # Pin the operands the plan reshards too: left to itself, XLA may partition the
   # consumer another way (gather the other operand of a dot instead, say), which the
   # plan did not price.
@@ -502,6 +505,34 @@ def layout_of(step: TracedStep, plan: MeshPlan, num_micro_batches: int = 1) -> L
                 num_micro_batches=num_micro_batches, batch_axes=batch_axes,
                 grad_reduce_specs=reduce_specs, eqn_constraints=constraints,
                 operand_constraints=operand_constraints)
+
+
+def _inside_chains(jaxpr, constraints: dict) -> list[int]:
+  """Constrained elementwise equations whose every reader is an elementwise equation of
+  the same shape constrained to the same spec: XLA's propagation carries the reader's
+  sharding back to them (the prediction tests check the compiled collectives). Dropping
+  their constraints halves the constraints of a GPT step and its compile's overhead."""
+  readers: dict = {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:
+      if not isinstance(v, jex.Literal):
+        readers.setdefault(v, []).append(i)
+  outputs = {v for v in jaxpr.outvars if not isinstance(v, jex.Literal)}
+
+  def elementwise(i):
+    eqn = jaxpr.eqns[i]
+    return i in constraints and eqn.primitive.name in ELEMENTWISE and len(eqn.outvars) == 1
+
+  inside = []
+  for i in constraints:
+    if not elementwise(i) or jaxpr.eqns[i].outvars[0] in outputs:
+      continue
+    out = jaxpr.eqns[i].outvars[0]
+    users = readers.get(out, [])
+    if users and all(elementwise(j) and constraints[j] == constraints[i]
+                     and jaxpr.eqns[j].outvars[0].aval.shape == out.aval.shape for j in users):
+      inside.append(i)
+  return inside
 
 
 def _produced(v, graph: StrategyGraph) -> bool:

@@ -1,0 +1,177 @@
+"""``jaxdist.estimate`` for PipeshardParallel: each stage estimated from its plan.
+
+The stages are formed, each stage's backward program (which recomputes the forward, so
+it holds all of the stage's work) and the update programs are planned on their
+sub-meshes exactly as the compile would do it (``PipelineExecutable(compile=False)``);
+nothing compiles. A
+stage's peak per device is that program's estimate (arguments + outputs − donated +
+temporaries, as for a ShardParallel step) plus what lives beside it while it runs:
+
+- the stage's inputs kept for the other micro-batches in flight (the schedule's
+  ``max_in_flight`` − 1 of them: a stage keeps only its inputs per micro-batch, never
+  its residuals);
+- the optimizer state that lives on the stage's devices, as the stage's update program
+  (planned too, not compiled) lays it out.
+
+A stage's time per micro-batch is its backward program's estimate plus its forward's
+compute (the backward's compute scaled by the forward's share of the flops). The step
+is ``Σ c + (micro-batches − 1) · max c`` (the formula the executable's objective uses);
+moving activations between sub-meshes is not counted.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.extend.core as jex
+import numpy as np
+
+from jaxdist import jaxpr_util
+from jaxdist.estimate import Estimate, StageEstimate, estimate_planned
+from jaxdist.liveness import Timeline
+from jaxdist.pipeline.partition import stage_functions
+from jaxdist.plan import Plan, PlanEntry
+from jaxdist.shard.strategies import nbytes
+from jaxdist.trace import OPTIMIZER
+
+
+def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True) -> Estimate:
+  """The estimate of ``func`` (a PipeshardParallel step) on ``args``; see the module
+  docstring. ``compile=True`` also compiles the step and puts XLA's figure for each
+  stage's backward program beside the estimate (and the step's in ``compiled``)."""
+  from jaxdist.api import Planned
+  method = func.method
+  exe = func.planned_stages(*args)
+  k = method.num_micro_batches or 1
+  in_flight = exe.schedule.max_in_flight()
+  loss_jaxpr = exe._loss.closed.jaxpr
+  compiled_exe = func.get_executable(*args) if compile else None
+  stages, estimates = [], []
+  for s, st in enumerate(exe.stages):
+    result = st.backward_plan
+    planned = Planned(result.step, result.step, result.layout, result, (), {})
+    est = estimate_planned(method, planned, None, calibrated)
+    per_device = exe._per_device(st)
+    if isinstance(per_device, str):
+      part = dict(est.breakdown)
+      part["grads"] += part.pop("optimizer")  # the backward's donated gradient accumulator
+    else:
+      part = _per_device_parts(per_device)
+    held = sum(_device_bytes(a) for a in st.in_avals) * max(in_flight[s] - 1, 0)
+    program = sum(part.values())
+    breakdown = dict(params=part["params"], optimizer=_optimizer_bytes(exe, st),
+                     batch=part["batch"], other=part["other"], grads=part["grads"],
+                     activations=part["activations"] + held, temporaries=part["temporaries"])
+    forward_flops = sum(jaxpr_util.eqn_flops(loss_jaxpr.eqns[i]) for i in st.eqns)
+    n = st.mesh.num_devices
+    share = forward_flops / n / est.flops if est.flops else 0.0
+    compute = est.compute_s * (1 + share)
+    compiled_bytes = None
+    if compiled_exe is not None:
+      ma = compiled_exe.stages[s].backward.memory_analysis()
+      compiled_bytes = float(ma.argument_size_in_bytes + ma.output_size_in_bytes
+                             - ma.alias_size_in_bytes + ma.temp_size_in_bytes)
+    stages.append(StageEstimate(
+        s, st.layers, n, tuple(st.mesh.shape), sum(breakdown.values()), breakdown,
+        in_flight[s], held, program, compiled_bytes, compute + est.communication_s,
+        compute, est.communication_s))
+    estimates.append(est)
+  peak = max(stages, key=lambda st: st.memory_per_device)
+  slowest = max(stages, key=lambda st: st.seconds_per_micro_batch)
+  compute = sum(st.compute_s for st in stages) + (k - 1) * slowest.compute_s
+  communication = (sum(st.communication_s for st in stages)
+                   + (k - 1) * slowest.communication_s)
+  collectives: dict = {}
+  for est in estimates:
+    for kind, c in est.collectives.items():
+      total = collectives.setdefault(kind, {"count": 0.0, "result_bytes": 0.0})
+      total["count"] += k * c["count"]
+      total["result_bytes"] += k * c["result_bytes"]
+  notes = [f"stage {st.index}: layers {st.layers[0]}..{st.layers[1] - 1} on {st.num_devices} "
+           f"devices as {st.mesh_shape}, {st.max_in_flight} micro-batches in flight"
+           for st in stages]
+  notes += [f"memory_per_device and breakdown are stage {peak.index}'s (the largest); "
+            f"transfers between stages and the update programs' temporaries are not counted",
+            *estimates[0].notes[-1:]]
+  plan = Plan(method=method.name, mesh_shape=exe._lmesh.shape, axis_names=exe._lmesh.axis_names,
+              inputs=tuple(PlanEntry(leaf.path, leaf.shape, str(leaf.dtype), leaf.role, home.spec)
+                           for leaf, home in zip(exe._step.inputs, exe._input_homes)),
+              num_micro_batches=k, notes=tuple(notes),
+              objective=compute + communication)
+  compiled = None
+  if compiled_exe is not None:
+    compiled = _compiled_peaks(compiled_exe, stages)
+  return Estimate(method.name, peak.memory_per_device, dict(peak.breakdown),
+                  compute + communication, compute, communication, collectives, plan,
+                  tuple(notes), compiled, sum(e.flops for e in estimates) * k,
+                  sum(e.bytes_accessed for e in estimates) * k,
+                  any(e.approximate for e in estimates), tuple(stages))
+
+
+def _per_device_parts(pd) -> dict[str, float]:
+  """The backward program of a stage run per device (``per_device.py``), per device:
+  its operands, micro-batch slices and cotangents, one full-size row of the gradient
+  accumulator (donated), and the temporaries of a liveness walk of the per-device trace."""
+  forward, backward, diff, float_in, float_out = stage_functions(pd.loss, pd.stage)
+  del forward, float_in
+  loss_jaxpr = pd.loss.closed.jaxpr
+  aval = lambda v: jax.ShapeDtypeStruct(tuple(v.aval.shape), v.aval.dtype)
+  ops = [aval(loss_jaxpr.invars[p]) for p in pd.stage.operands]
+  acts_in = [aval(v) for v in pd.stage.acts_in]
+  cots = [aval(pd.stage.acts_out[p]) for p in float_out]
+  grads = [ops[p] for p in diff]
+  closed = jax.make_jaxpr(backward)(ops, acts_in, cots, grads)
+  size = lambda a: float(math.prod(a.shape) * np.dtype(a.dtype).itemsize)
+  accumulator = sum(size(g) for g in grads)
+  outputs = sum(nbytes(v) for v in closed.jaxpr.outvars) - accumulator  # aliased
+  params = sum(size(ops[p]) for p in diff)
+  return dict(params=params, optimizer=0.0,
+              batch=sum(map(size, ops)) - params + sum(map(size, acts_in + cots)),
+              other=outputs, grads=accumulator, activations=0.0,
+              temporaries=Timeline(_accumulate_early(closed.jaxpr, len(grads))).peak().bytes)
+
+
+def _accumulate_early(jaxpr, num_accumulators: int):
+  """``jaxpr`` with each addition into an accumulator (its last ``num_accumulators``
+  inputs) moved to just after the gradient it adds is computed, as XLA's scheduler
+  places it (the traced order adds them all at the end, keeping every gradient alive)."""
+  accumulators = set(jaxpr.invars[len(jaxpr.invars) - num_accumulators:])
+  producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+  after: dict[int, list] = {}
+  for i, e in enumerate(jaxpr.eqns):
+    others = [v for v in e.invars if isinstance(v, jex.Literal) or v not in accumulators]
+    if (e.primitive.name in ("add", "add_any") and len(e.invars) == 2 and len(others) == 1
+        and not isinstance(others[0], jex.Literal)):
+      after.setdefault(producer.get(others[0], -1), []).append(i)
+  moved = {i for group in after.values() for i in group}
+  order = after.get(-1, [])
+  for i in range(len(jaxpr.eqns)):
+    if i not in moved:
+      order += [i] + after.get(i, [])
+  return jaxpr.replace(eqns=[jaxpr.eqns[i] for i in order])
+
+
+def _compiled_peaks(exe, stages) -> dict[str, float]:
+  """XLA's side of each stage's peak, formed as the estimate's: the compiled backward
+  program plus the same inputs in flight plus the optimizer state the compiled step
+  keeps on the stage's devices. ``total`` is the largest; ``stage <s>`` each."""
+  peaks = {f"stage {est.index}": est.compiled_program_bytes + _optimizer_bytes(exe, st)
+           + est.held_bytes for st, est in zip(exe.stages, stages)}
+  return dict(total=max(peaks.values()), **peaks)
+
+
+def _optimizer_bytes(exe, stage) -> float:
+  """Per device, the optimizer state that lives on ``stage``'s devices (as the update
+  programs' plans lay it out)."""
+  devices = set(stage.mesh.mesh.devices.flat)
+  return float(sum(
+      math.prod(home.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+      for leaf, home in zip(exe._step.inputs, exe._input_homes)
+      if leaf.role == OPTIMIZER and home.device_set == devices))
+
+
+def _device_bytes(aval) -> float:
+  """Bytes of one device's shard of an aval carrying its sharding."""
+  shape = aval.sharding.shard_shape(aval.shape)
+  return float(math.prod(shape) * np.dtype(aval.dtype).itemsize)
