@@ -3,7 +3,8 @@
 Workloads: the example GPT (vocab 1024, width 256, 4 blocks, 8 heads, batch 16, seq 64,
 Adam; batch 32 with micro-batches) and an Adam MLP (hidden 512, 8 layers, batch 64), on
 8 devices. Methods: DataParallel, Zero2, Zero3, ShardParallel, each with and without
-num_micro_batches=4 and recompute_modules (GPT: "Block").
+num_micro_batches=4 and recompute_modules (GPT: "Block"); PipeshardParallel with 2 and 4
+uniform stages, 1F1B and GPipe, per stage.
 
 Memory: the estimate against the compiled step's arguments + outputs - donated +
 temporaries (XLA's memory analysis of the same plan). Goal: the worst row within 10%
@@ -71,6 +72,44 @@ def memory_table():
         f"traces and plans too): {common.verdict(slowest <= 0.10)}")
 
 
+def pipeline_table():
+  print(f"\nPipeshardParallel (k=4, uniform stages) on {jax.device_count()} devices: each "
+        f"stage's peak, estimate vs XLA's programs plus the runtime's buffers (MB)")
+  print(f"{'model':<5} {'stages':>6} {'schedule':<8} {'stage':>5} {'in flight':>9} "
+        f"{'estimate':>9} {'compiled':>9} {'ratio':>6} {'program est':>11} "
+        f"{'program XLA':>11} {'ratio':>6} {'est s':>6} {'compile s':>9}")
+  worst = worst_program = slowest = 0.0
+  for name, workload in (("mlp", mlp), ("gpt", gpt)):
+    for stages in (2, 4):
+      for schedule in ("1f1b", "gpipe"):
+        step, state, batch, _ = workload(4)
+        method = jd.PipeshardParallel(num_micro_batches=4, pipeline_schedule=schedule,
+                                      layer_option=jd.AutoLayerOption(layer_num=stages),
+                                      stage_option=jd.UniformStageOption(num_stages=stages))
+        start = time.perf_counter()
+        jd.estimate(step, state, batch, method=method)
+        est_s = time.perf_counter() - start
+        start = time.perf_counter()
+        jd.parallelize(step, method=method).get_executable(state, batch)
+        compile_s = time.perf_counter() - start
+        slowest = max(slowest, est_s / compile_s)
+        est = jd.estimate(step, state, batch, method=method, compile=True)
+        for st in est.stages:
+          compiled = est.compiled[f"stage {st.index}"]
+          ratio = st.memory_per_device / compiled
+          program = st.program_bytes / st.compiled_program_bytes
+          worst = max(worst, abs(ratio - 1))
+          worst_program = max(worst_program, abs(program - 1))
+          print(f"{name:<5} {stages:>6} {schedule:<8} {st.index:>5} {st.max_in_flight:>9} "
+                f"{st.memory_per_device / 1e6:9.2f} {compiled / 1e6:9.2f} {ratio:6.3f} "
+                f"{st.program_bytes / 1e6:11.2f} {st.compiled_program_bytes / 1e6:11.2f} "
+                f"{program:6.3f} {est_s:6.2f} {compile_s:9.2f}", flush=True)
+  print(f"worst stage peak error {worst:.1%} (goal 10%): {common.verdict(worst <= 0.10)}; "
+        f"worst stage program error {worst_program:.1%}")
+  print(f"estimate / (trace + plan + compile) at most {slowest:.2f} (goal 0.10; the "
+        f"estimate plans every stage): {common.verdict(slowest <= 0.10)}")
+
+
 def time_table():
   start = time.perf_counter()
   profile = jd.calibrate(re_profile=True)
@@ -80,11 +119,14 @@ def time_table():
           f"{fitted * 1e3:8.2f} ms")
   print(f"{'model':<5} {'method':<14} {'estimate ms':>11} {'measured ms':>11} {'ratio':>6}")
   worst = 0.0
+  pipeline = lambda: jd.PipeshardParallel(num_micro_batches=4,
+                                          layer_option=jd.AutoLayerOption(layer_num=2),
+                                          stage_option=jd.UniformStageOption(num_stages=2))
   for name, workload in (("mlp", mlp), ("gpt", gpt)):
-    for cls in METHODS:
+    for make in (*METHODS, pipeline):
       step, state, batch, _ = workload(1)
-      est = jd.estimate(step, state, batch, method=cls())
-      f = jd.parallelize(step, method=cls())
+      est = jd.estimate(step, state, batch, method=make())
+      f = jd.parallelize(step, method=make())
       _, _, seconds = time_steps(f, state, batch, num_steps=5, warmup=2)
       ratio = est.step_time_s / seconds
       worst = max(worst, abs(ratio - 1))
@@ -95,4 +137,5 @@ def time_table():
 
 if __name__ == "__main__":
   memory_table()
+  pipeline_table()
   time_table()

@@ -183,10 +183,12 @@ def estimate(step, *args, method: m.Method | None = None, compile: bool = False,
   return est
 
 
-def estimate_planned(method: m.Method, planned, micro_step, calibrated: bool = True) -> Estimate:
+def estimate_planned(method: m.Method, planned, micro_step, calibrated: bool = True,
+                     profile_devices=None) -> Estimate:
   """The estimate of a planned SPMD step (``ParallelizedFunc.planned``); ``micro_step()``
   returns the program one device runs per micro-batch where the layout reduces
-  gradients itself."""
+  gradients itself. ``profile_devices``: whose calibration profile to use (default the
+  plan's devices; a pipeline stage uses the whole job's)."""
   layout, lmesh = planned.layout, planned.layout.logical_mesh
   breakdown = dict(params=0.0, optimizer=0.0, batch=0.0, other=0.0)
   for leaf, spec in zip(planned.traced.inputs, layout.in_specs):
@@ -224,7 +226,7 @@ def estimate_planned(method: m.Method, planned, micro_step, calibrated: bool = T
                          peak_flops=lmesh.peak_flops)
   communication = _communication_seconds(collectives, cost_model, lmesh)
   written = work.written + outputs + sum(breakdown[p] for p in ("params", "optimizer", "batch"))
-  profile = calibration.load(lmesh.devices) if calibrated else None
+  profile = calibration.load(profile_devices or lmesh.devices) if calibrated else None
   if profile is not None:
     compute = profile.compute_seconds(work.flops, written)
     notes.append(f"compute time calibrated by {profile.path} ({profile.created})")

@@ -79,10 +79,36 @@ def test_a_profile_calibrates_compute_time(tmp_path, monkeypatch):
   assert any("calibrated by" in n for n in est.notes)
 
 
-def test_pipeshard_is_refused_with_a_typed_error():
-  step, state, batch = _mlp()
-  with pytest.raises(errors.InvalidArgumentError, match="PipeshardParallel"):
-    jd.estimate(step, state, batch, method=jd.PipeshardParallel(num_micro_batches=2))
+@pytest.mark.parametrize("workload", [_mlp, _gpt], ids=["mlp", "gpt"])
+def test_pipeline_estimate_per_stage(workload):
+  """Each stage's peak: its backward program (per-device stages walked on their own
+  trace), the inputs of micro-batches in flight (GPipe holds more than 1F1B) and the
+  optimizer state the update plans put on its devices; against XLA's figures for the
+  same stages."""
+  step, state, batch = workload()
+  by_schedule = {}
+  for schedule in ("1f1b", "gpipe"):
+    method = jd.PipeshardParallel(num_micro_batches=4, pipeline_schedule=schedule,
+                                  layer_option=jd.AutoLayerOption(layer_num=2),
+                                  stage_option=jd.UniformStageOption(num_stages=2))
+    est = by_schedule[schedule] = jd.estimate(step, state, batch, method=method,
+                                              compile=schedule == "1f1b")
+    assert len(est.stages) == 2 and est.plan.method == "PipeshardParallel"
+    assert est.memory_per_device == max(st.memory_per_device for st in est.stages)
+    assert est.step_time_s == pytest.approx(est.compute_s + est.communication_s)
+    for st in est.stages:
+      assert st.memory_per_device == pytest.approx(sum(st.breakdown.values()))
+      assert st.breakdown["optimizer"] > 0 and st.breakdown["params"] > 0
+  est = by_schedule["1f1b"]
+  assert [st.max_in_flight for st in est.stages] == [2, 1]
+  assert [st.max_in_flight for st in by_schedule["gpipe"].stages] == [4, 4]
+  # The last stage keeps one micro-batch's inputs under 1F1B, all four under GPipe.
+  assert est.stages[1].held_bytes == 0 < by_schedule["gpipe"].stages[1].held_bytes
+  compiled = est.compiled
+  assert abs(est.memory_per_device - compiled["total"]) <= 0.10 * compiled["total"], est.summary()
+  for st in est.stages:
+    assert abs(st.program_bytes - st.compiled_program_bytes) <= 0.25 * st.compiled_program_bytes, (
+        est.summary())
 
 
 def test_jaxdist_estimate_command(capsys, tmp_path):

@@ -11,7 +11,9 @@ temporaries, as for a ShardParallel step) plus what lives beside it while it run
   ``max_in_flight`` − 1 of them: a stage keeps only its inputs per micro-batch, never
   its residuals);
 - the optimizer state that lives on the stage's devices, as the stage's update program
-  (planned too, not compiled) lays it out.
+  (planned too, not compiled) lays it out;
+- the micro-batch slices of the batch, cut at the start of the step and replicated on
+  every device.
 
 A stage's time per micro-batch is its backward program's estimate plus its forward's
 compute (the backward's compute scaled by the forward's share of the flops). The step
@@ -47,11 +49,12 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
   in_flight = exe.schedule.max_in_flight()
   loss_jaxpr = exe._loss.closed.jaxpr
   compiled_exe = func.get_executable(*args) if compile else None
+  slices = _batch_slices(exe)
   stages, estimates = [], []
   for s, st in enumerate(exe.stages):
     result = st.backward_plan
     planned = Planned(result.step, result.step, result.layout, result, (), {})
-    est = estimate_planned(method, planned, None, calibrated)
+    est = estimate_planned(method, planned, None, calibrated, exe._lmesh.devices)
     per_device = exe._per_device(st)
     if isinstance(per_device, str):
       part = dict(est.breakdown)
@@ -61,7 +64,7 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
     held = sum(_device_bytes(a) for a in st.in_avals) * max(in_flight[s] - 1, 0)
     program = sum(part.values())
     breakdown = dict(params=part["params"], optimizer=_optimizer_bytes(exe, st),
-                     batch=part["batch"], other=part["other"], grads=part["grads"],
+                     batch=part["batch"] + slices, other=part["other"], grads=part["grads"],
                      activations=part["activations"] + held, temporaries=part["temporaries"])
     forward_flops = sum(jaxpr_util.eqn_flops(loss_jaxpr.eqns[i]) for i in st.eqns)
     n = st.mesh.num_devices
@@ -101,7 +104,7 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
               objective=compute + communication)
   compiled = None
   if compiled_exe is not None:
-    compiled = _compiled_peaks(compiled_exe, stages)
+    compiled = _compiled_peaks(compiled_exe, stages, slices)
   return Estimate(method.name, peak.memory_per_device, dict(peak.breakdown),
                   compute + communication, compute, communication, collectives, plan,
                   tuple(notes), compiled, sum(e.flops for e in estimates) * k,
@@ -152,13 +155,22 @@ def _accumulate_early(jaxpr, num_accumulators: int):
   return jaxpr.replace(eqns=[jaxpr.eqns[i] for i in order])
 
 
-def _compiled_peaks(exe, stages) -> dict[str, float]:
+def _compiled_peaks(exe, stages, slices: float) -> dict[str, float]:
   """XLA's side of each stage's peak, formed as the estimate's: the compiled backward
-  program plus the same inputs in flight plus the optimizer state the compiled step
-  keeps on the stage's devices. ``total`` is the largest; ``stage <s>`` each."""
+  program plus what the runtime keeps beside it (the same inputs in flight and batch
+  slices, the optimizer state the compiled step keeps on the stage's devices).
+  ``total`` is the largest; ``stage <s>`` each."""
   peaks = {f"stage {est.index}": est.compiled_program_bytes + _optimizer_bytes(exe, st)
-           + est.held_bytes for st, est in zip(exe.stages, stages)}
+           + est.held_bytes + slices for st, est in zip(exe.stages, stages)}
   return dict(total=max(peaks.values()), **peaks)
+
+
+def _batch_slices(exe) -> float:
+  """Per device, the micro-batch slices of the loss's batch inputs: all of them are
+  cut at the start of a step, replicated over every device."""
+  loss_eqn = exe._step.closed_jaxpr.jaxpr.eqns[exe._index]
+  return float(sum(nbytes(v) for v, is_batch in zip(loss_eqn.invars, exe._batch_operand)
+                   if is_batch))
 
 
 def _optimizer_bytes(exe, stage) -> float:

@@ -9,9 +9,9 @@ micro-batches. Between the mesh
 shapes and accumulation, the partition-constraint presets of ``strategies/presets`` that
 match the step's parameters (Megatron-style attention, expert parallelism) are tried on
 each 2-D mesh. Each candidate is
-estimated first (``jaxdist.estimate``) and skipped without compiling when the estimate
-exceeds the budget by more than :data:`SKIP_MARGIN` (the estimator's error is smaller;
-an estimate marked ``approximate`` never skips);
+estimated first (``jaxdist.estimate``; pipelines only under a budget) and skipped without
+compiling when the estimate exceeds the budget by more than :data:`SKIP_MARGIN` (the
+estimator's error is smaller; an estimate marked ``approximate`` never skips);
 then compiled, held to the budget by XLA's own figure, run ``steps`` times and timed.
 Failures are classified, never raised: over the budget or out of memory at run time →
 ``oom``; a compile or run failure → ``error``; a candidate that does not apply (a batch
@@ -266,7 +266,9 @@ class _Walk:
     budget = self.budget
     est_bytes = est_time = None
     func = ParallelizedFunc(self.fun, method, *self.argnums)
-    if not isinstance(method, m.PipeshardParallel):
+    # A pipeline's estimate plans its stages (a fifth to a third of its compile): made
+    # only where it can save the compile, under a budget.
+    if not isinstance(method, m.PipeshardParallel) or budget is not None:
       try:
         est = estimate(func, *self.args)
         est_bytes, est_time = est.memory_per_device, est.step_time_s
