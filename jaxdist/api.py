@@ -246,8 +246,8 @@ class ParallelizedFunc:
     return planned
 
   def planned_stages(self, *args) -> PipelineExecutable:
-    """PipeshardParallel: traces the step, forms its stages and plans each stage's
-    backward program, compiling nothing (what estimates read: ``.stages``, ``.schedule``)."""
+    """PipeshardParallel: traces the step, forms its stages and plans their programs,
+    compiling nothing (what estimates read: ``.stages``, ``.schedule``, where state lives)."""
     if not isinstance(self.method, m.PipeshardParallel):
       raise errors.InvalidArgumentError(
           f"planned_stages() is for PipeshardParallel; this step's method is "

@@ -209,7 +209,6 @@ class PipelineExecutable:
     auto_sharding_objective: the stages' shard-plan objectives (backward, plus forward
       where planned, per micro-batch) combined as a pipelined step,
       ``Σ c + (micro-batches − 1) · max c``.
-    state_factor: bytes of parameters and optimizer state per parameter byte.
   """
 
   def __init__(self, method: m.PipeshardParallel, step: TracedStep, lmesh: LogicalMesh,
@@ -264,7 +263,7 @@ class PipelineExecutable:
     state_bytes = {role: sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
                              for leaf in step.inputs if leaf.role == role)
                    for role in (PARAM, OPTIMIZER)}
-    state_factor = self.state_factor = 1 + state_bytes[OPTIMIZER] / max(state_bytes[PARAM], 1)
+    state_factor = 1 + state_bytes[OPTIMIZER] / max(state_bytes[PARAM], 1)
     option = self._option = method.default_auto_sharding_option or m.AutoShardingOption()
     stage_shard.check_constraints_used(option, self._operand_paths)
     self._cost_cache: dict = {}  # (devices, backward program text) -> ILP objective
