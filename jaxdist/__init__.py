@@ -7,6 +7,7 @@ from jaxdist.api import ParallelizedFunc as ParallelizedFunc
 from jaxdist.api import parallelize as parallelize
 from jaxdist.calibration import calibrate as calibrate
 from jaxdist.estimate import Estimate as Estimate
+from jaxdist.estimate import StageEstimate as StageEstimate
 from jaxdist.estimate import estimate as estimate
 from jaxdist.executable import Executable as Executable
 from jaxdist.grad import grad as grad
@@ -48,6 +49,7 @@ __all__ = [
     "PipeshardParallel",
     "Plan",
     "ShardParallel",
+    "StageEstimate",
     "Trial",
     "TuneReport",
     "UniformStageOption",

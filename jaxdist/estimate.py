@@ -122,7 +122,7 @@ class StageEstimate:
     num_devices, mesh_shape: its sub-mesh and the shape its shard plan chose.
     memory_per_device: bytes at the stage's peak: its backward program (arguments +
       outputs − donated + temporaries) plus the inputs of the other micro-batches in
-      flight and the optimizer state of its parameters.
+      flight, the optimizer state on its devices and the step's micro-batch slices.
     breakdown: as :attr:`Estimate.breakdown` (``grads`` holds the accumulator,
       ``activations`` the stage's inputs kept for micro-batches in flight).
     max_in_flight: the most micro-batches whose inputs the schedule keeps at once.
