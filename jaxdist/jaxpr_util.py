@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 
@@ -17,8 +18,9 @@ MARKERS = (IDENTITY_MARKER, "jaxdist_layer_marker")
 # Call-like primitives whose body is inlined when a jaxpr is flattened.
 CALLS = ("jit", "pjit", "closed_call", "core_call")
 # What the shard planner inlines: after differentiation a custom_jvp/custom_vjp call is
-# just its primal function.
-PLAN_CALLS = CALLS + ("custom_jvp_call", "custom_vjp_call")
+# just its primal function, and a rematerialized block (jax.checkpoint, nn.remat) its body
+# behind an optimization barrier (what jax lowers it to).
+PLAN_CALLS = CALLS + ("custom_jvp_call", "custom_vjp_call", "remat2")
 
 
 def identity_marker(name: str) -> jex.Primitive:
@@ -161,6 +163,8 @@ def inline_calls(closed: jex.ClosedJaxpr, primitives: Sequence[str] = CALLS) -> 
       if name in primitives and name == IDENTITY_MARKER:
         sub.update((o, i) for o, i in zip(eqn.outvars, invars))
       elif body is not None:
+        if name == "remat2" and eqn.params["prevent_cse"] and eqn.params["differentiated"]:
+          invars = _barrier(invars, eqn, eqns)  # the recomputation stays a recomputation
         inner = dict(zip(body.jaxpr.invars, invars))
         for v, c in zip(body.jaxpr.constvars, body.consts):
           inner[v] = jex.Var(v.aval)
@@ -182,6 +186,28 @@ def inline_calls(closed: jex.ClosedJaxpr, primitives: Sequence[str] = CALLS) -> 
   jaxpr = jex.Jaxpr(constvars, closed.jaxpr.invars, outvars, eqns, closed.jaxpr.effects,
                     closed.jaxpr.debug_info)
   return jex.ClosedJaxpr(jaxpr, consts)
+
+
+def _barrier(invars: list, eqn, eqns: list) -> list:
+  """Appends to ``eqns`` an optimization barrier on each of ``invars``' variables (as jax
+  lowers a differentiated ``jax.checkpoint``, which puts one over all of them: XLA may
+  not merge the recomputation with the forward pass; one per value keeps each a value
+  the planner's elementwise rule follows) and returns ``invars`` with the barriers'
+  outputs in their place."""
+  out = []
+  for v in invars:
+    if not isinstance(v, jex.Literal):
+      fresh = jex.Var(v.aval)
+      eqns.append(jex.new_jaxpr_eqn([v], [fresh], _barrier_primitive(), {}, jex.no_effects,
+                                    eqn.source_info, eqn.ctx))
+      v = fresh
+    out.append(v)
+  return out
+
+
+@functools.cache
+def _barrier_primitive() -> jex.Primitive:
+  return jax.make_jaxpr(jax.lax.optimization_barrier)(0.0).eqns[0].primitive
 
 
 def needed_eqns(jaxpr, outvars: Sequence, stop: Iterable[int] = ()) -> set[int]:

@@ -44,10 +44,11 @@ class GPTConfig:
   depth: int = 2
   seq_len: int = 64
   mark_boundaries: bool = False  # jaxdist.mark_pipeline_boundary() after embedding and blocks
+  mlp_ratio: int = 4  # the MLP's hidden width over the model's (Alpa's MoE benchmark: 8)
 
 
 class Block(nn.Module):
-  """Pre-LayerNorm transformer block: causal self-attention and a 4× MLP."""
+  """Pre-LayerNorm transformer block: causal self-attention and an MLP (``mlp_ratio``×)."""
 
   config: GPTConfig
 
@@ -59,7 +60,7 @@ class Block(nn.Module):
     h = nn.MultiHeadDotProductAttention(num_heads=c.heads, qkv_features=c.width)(h, h, mask=mask)
     x = x + h
     h = nn.LayerNorm()(x)
-    h = nn.Dense(4 * c.width)(h)
+    h = nn.Dense(c.mlp_ratio * c.width)(h)
     h = nn.gelu(h)
     return x + nn.Dense(c.width)(h)
 
@@ -166,21 +167,27 @@ class MoEBlock(nn.Module):
     h = nn.LayerNorm()(x)
     mask = nn.make_causal_mask(jnp.ones(x.shape[:2], dtype=jnp.int32))
     x = x + nn.MultiHeadDotProductAttention(num_heads=c.heads, qkv_features=c.width)(h, h, mask=mask)
-    return x + MoE(self.num_experts, 4 * c.width)(nn.LayerNorm()(x))
+    return x + MoE(self.num_experts, c.mlp_ratio * c.width)(nn.LayerNorm()(x))
 
 
 class MoELM(nn.Module):
-  """The GPT above with every block's MLP a :class:`MoE` of ``num_experts`` experts."""
+  """The GPT above with the MLP of every ``moe_every``-th block (the first included) a
+  :class:`MoE` of ``num_experts`` experts; Alpa's MoE benchmark model alternates
+  (``moe_every=2``)."""
 
   config: GPTConfig
   num_experts: int = 8
+  moe_every: int = 1
 
   @nn.compact
   def __call__(self, tokens):
     c = self.config
     x = embed(self, c, tokens)
     for i in range(c.depth):
-      x = MoEBlock(c, self.num_experts, name=f"block_{i}")(x)
+      if i % self.moe_every == 0:
+        x = MoEBlock(c, self.num_experts, name=f"block_{i}")(x)
+      else:
+        x = Block(c, name=f"block_{i}")(x)
     return nn.Dense(c.vocab)(nn.LayerNorm()(x))
 
 

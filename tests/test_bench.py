@@ -1,6 +1,9 @@
 """jaxdist bench: the suites run their methods and match the serial first step, the CSV
 keeps its typed schema, and the GPT flop count is the traced step's."""
 
+import math
+
+import jax
 import pytest
 
 from jaxdist import errors
@@ -50,3 +53,16 @@ def test_unknown_sizes_and_suites_are_typed_errors():
     workload("gpt", "paper-2B")
   with pytest.raises(errors.InvalidArgumentError, match=r"suite='bert'"):
     workload("bert", "tiny")
+
+
+@pytest.mark.parametrize("suite,size,billions", [
+    ("gpt", "1.3B", 1.3), ("moe", "380M", 0.38), ("moe", "10B", 10.0),
+    ("wresnet", "250M", 0.25), ("wresnet", "13B", 13.0)])
+def test_paper_sizes_have_the_published_parameter_counts(suite, size, billions):
+  """Alpa's configurations by name, sized from abstract shapes (nothing allocated): each
+  within 10% of its name (MoE: experts in every other block, 8x MLPs; Wide-ResNet:
+  bottleneck ResNet-50/101 with a widened 3x3 convolution)."""
+  w = workload(suite, f"paper-{size}")
+  params = jax.eval_shape(w.make_state).params
+  count = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+  assert abs(count / (billions * 1e9) - 1) <= 0.10, count

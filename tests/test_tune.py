@@ -65,7 +65,7 @@ def test_runtime_out_of_memory_and_compile_errors_are_classified(monkeypatch):
   assert trial.memory_bytes is not None
   monkeypatch.undo()
 
-  def broken(step, layout):
+  def broken(step, layout, timings=None):
     raise RuntimeError("INTERNAL: the compiler failed\nsecond line")
 
   monkeypatch.setattr("jaxdist.api.compile_layout", broken)

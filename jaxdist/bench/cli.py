@@ -7,7 +7,8 @@ import argparse
 import json
 import sys
 
-SIZES_HELP = "tiny | small | paper-<name> (GPT: paper-125M ... paper-39B)"
+SIZES_HELP = ("tiny | small | paper-<name> (GPT: paper-125M ... paper-39B, MoE: paper-380M ... "
+              "paper-140B, Wide-ResNet: paper-250M ... paper-13B)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

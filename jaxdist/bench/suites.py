@@ -2,8 +2,9 @@
 (hand-written expert plans and the automatic ones).
 
 Sizes ``tiny`` and ``small`` run on 8 simulated CPU devices; ``paper-<name>`` are Alpa's
-GPT benchmark configurations (seq 1024, vocab 51200; ``jaxdist bench --suite gpt --size
-paper-1.3B`` on real GPUs). Every method's mesh carries the costs of one H100 node
+benchmark configurations of each family (GPT: seq 1024, vocab 51200; MoE: vocab 32000,
+experts in every other block; Wide-ResNet: 224x224 images, bottleneck ResNet-50/101;
+``jaxdist bench --suite moe --size paper-1.3B`` on real GPUs). Every method's mesh carries the costs of one H100 node
 (``H100_NODE``), the target the projected step times are computed for, so that the
 planner optimizes for what is projected.
 """
@@ -28,6 +29,22 @@ GPT_PAPER = {"125M": (1024, 768, 12, 12), "350M": (1024, 1024, 24, 16),
              "760M": (1024, 1536, 24, 16), "1.3B": (1024, 2048, 24, 32),
              "2.6B": (1024, 2560, 32, 32), "6.7B": (1024, 4096, 32, 32),
              "15B": (1024, 5120, 48, 40), "39B": (1024, 8192, 48, 64)}
+# Alpa's MoE sizes (benchmark/alpa/suite_manual_moe.py): seq, hidden, layers, heads, vocab,
+# experts. As in Alpa's model, every other block's MLP is the mixture and MLPs are 8x the
+# width; a batch row is a dispatch group (Alpa: groups of 2048 tokens). The output layer is
+# not tied to the embedding here (Alpa's names count it tied).
+MOE_PAPER = {"380M": (1024, 768, 8, 16, 32000, 8), "690M": (1024, 768, 8, 16, 32000, 16),
+             "1.3B": (1024, 768, 16, 16, 32000, 16), "2.4B": (1024, 1024, 16, 16, 32000, 16),
+             "7.1B": (1024, 1280, 16, 16, 32000, 32), "10B": (1024, 1536, 16, 16, 32000, 32),
+             "27B": (1024, 2048, 16, 16, 32000, 48), "70B": (1024, 2048, 32, 16, 32000, 64),
+             "140B": (1024, 2048, 32, 16, 32000, 128)}
+# Alpa's Wide-ResNet sizes (benchmark/alpa/suite_wresnet.py): image size, depth (50 or
+# 101: bottleneck stages 3-4-6-3 or 3-4-23-3), base channels, width factor; 1024 classes.
+WRESNET_PAPER = {"250M": (224, 50, 160, 2), "500M": (224, 50, 224, 2), "1B": (224, 50, 320, 2),
+                 "2B": (224, 50, 448, 2), "4B": (224, 50, 640, 2), "6.8B": (224, 50, 320, 16),
+                 "13B": (224, 101, 320, 16)}
+RESNET_STAGES = {50: (3, 4, 6, 3), 101: (3, 4, 23, 3)}
+PAPER_BATCH = 8  # per step at paper sizes (a real cluster's run sets its own)
 SUITES = ("gpt", "moe", "wresnet")
 
 
@@ -59,12 +76,18 @@ def workload(suite: str, size: str) -> Workload:
   import optax
 
   if suite in ("gpt", "moe"):
+    experts, moe_every = 8, 1
     if size.startswith("paper-"):
-      if suite != "gpt" or size[6:] not in GPT_PAPER:
+      if size[6:] not in (GPT_PAPER if suite == "gpt" else MOE_PAPER):
         raise _size_error(suite, size)
-      seq, hidden, layers, heads = GPT_PAPER[size[6:]]
-      config, batch_size = models.GPTConfig(vocab=51200, width=hidden, heads=heads,
-                                            depth=layers, seq_len=seq), 8
+      if suite == "gpt":
+        (seq, hidden, layers, heads), vocab = GPT_PAPER[size[6:]], 51200
+      else:
+        seq, hidden, layers, heads, vocab, experts = MOE_PAPER[size[6:]]
+        moe_every = 2
+      config, batch_size = models.GPTConfig(
+          vocab=vocab, width=hidden, heads=heads, depth=layers, seq_len=seq,
+          mlp_ratio=4 if suite == "gpt" else 8), PAPER_BATCH
     elif size == "tiny":
       config, batch_size = models.GPTConfig(vocab=256, width=64, heads=4, depth=2, seq_len=32), 16
     elif size == "small":
@@ -72,7 +95,8 @@ def workload(suite: str, size: str) -> Workload:
                                             seq_len=128), 16
     else:
       raise _size_error(suite, size)
-    model = models.GPT(config) if suite == "gpt" else models.MoELM(config, num_experts=8)
+    model = (models.GPT(config) if suite == "gpt" else
+             models.MoELM(config, num_experts=experts, moe_every=moe_every))
     batch = models.token_batch(batch_size, config)
     flops = (gpt_flops(batch_size, config.seq_len, config.depth, config.width, config.vocab)
              if suite == "gpt" else None)
@@ -86,6 +110,10 @@ def workload(suite: str, size: str) -> Workload:
     configs = {"tiny": (wresnet.WResNetConfig(image_size=16, base_width=8, width_factor=2), 16),
                "small": (wresnet.WResNetConfig(image_size=32, base_width=16, width_factor=4,
                                                blocks_per_stage=(2, 2, 2)), 32)}
+    for name, (image, depth, channels, width) in WRESNET_PAPER.items():
+      configs[f"paper-{name}"] = (wresnet.WResNetConfig(
+          image_size=image, num_classes=1024, base_width=channels, width_factor=width,
+          blocks_per_stage=RESNET_STAGES[depth], bottleneck=True), PAPER_BATCH)
     if size not in configs:
       raise _size_error(suite, size)
     config, batch_size = configs[size]
@@ -99,7 +127,8 @@ def _size_error(suite, size):
   from jaxdist import errors
 
   valid = {"gpt": ["tiny", "small"] + [f"paper-{k}" for k in GPT_PAPER],
-           "moe": ["tiny", "small"], "wresnet": ["tiny", "small"]}
+           "moe": ["tiny", "small"] + [f"paper-{k}" for k in MOE_PAPER],
+           "wresnet": ["tiny", "small"] + [f"paper-{k}" for k in WRESNET_PAPER]}
   if suite not in valid:
     return errors.InvalidArgumentError(f"suite={suite!r} is not a suite; valid: {SUITES}.")
   return errors.InvalidArgumentError(
