@@ -51,8 +51,12 @@ class Row:
   tflops_per_device: float | None = None
   mfu: float | None = None
   bytes_per_device: int | None = None
+  peak_bytes_in_use: int | None = None  # where the backend reports it (not XLA:CPU)
   comm_bytes: float | None = None
-  compile_s: float | None = None
+  compile_s: float | None = None  # the first call: trace + plan + lower + XLA compile
+  trace_s: float | None = None
+  plan_s: float | None = None
+  xla_compile_s: float | None = None  # lower + XLA compile
   layout: str = ""
   loss: float | None = None
   serial_loss: float | None = None
@@ -88,6 +92,14 @@ def projected_seconds(exe, k: int = 1) -> float:
         for st in stages[1:]), default=0.0)
     return (k + len(stages) - 1) * (compute + transfer) + comm
   return float(exe.cost_analysis().get("flops", 0.0)) / H100_NODE["reached_flops"] + comm
+
+
+def _peak_in_use(devices) -> int | None:
+  """The most bytes any device has held (``memory_stats()``, since the process started),
+  or None where the backend does not report it."""
+  stats = [d.memory_stats() for d in devices]
+  peaks = [s["peak_bytes_in_use"] for s in stats if s and "peak_bytes_in_use" in s]
+  return max(peaks) if peaks else None
 
 
 def _layout(exe) -> str:
@@ -134,6 +146,11 @@ def run_method(w: Workload, name: str, kind: str, method, devices, repeat: int,
   row.tflops_per_device = flops / n / row.step_time_mean_s / 1e12
   row.mfu = flops / n / row.step_time_mean_s / device_costs(devices[0])[2]
   row.bytes_per_device = int(exe.get_total_allocation_size())
+  row.peak_bytes_in_use = _peak_in_use(devices)
+  timings = getattr(exe, "timings", {})
+  if timings:
+    row.trace_s, row.plan_s = timings.get("trace_s"), timings.get("plan_s")
+    row.xla_compile_s = timings.get("lower_s", 0.0) + timings.get("compile_s", 0.0)
   row.comm_bytes = float(sum(s.wire_bytes for s in exe.communication().values()))
   row.layout = _layout(exe)
   row.projected_h100_s = projected_seconds(exe, getattr(method, "num_micro_batches", 1) or 1)
@@ -192,12 +209,19 @@ def write(rows: list[Row], out: str | Path) -> tuple[Path, Path]:
   out = Path(out)
   out.mkdir(parents=True, exist_ok=True)
   csv_path, json_path = out / "results.csv", out / "results.json"
+  written = rows
+  if csv_path.exists():
+    with open(csv_path) as f:
+      header = next(csv.reader(f), [])
+    if header != COLUMNS:  # written with other columns: rewrite it with today's
+      written = read_csv(csv_path) + rows
+      csv_path.unlink()
   new = not csv_path.exists()
   with open(csv_path, "a", newline="") as f:
     writer = csv.DictWriter(f, fieldnames=COLUMNS)
     if new:
       writer.writeheader()
-    for r in rows:
+    for r in written:
       writer.writerow({k: ("" if v is None else v) for k, v in dataclasses.asdict(r).items()})
   previous = json.loads(json_path.read_text()) if json_path.exists() else []
   json_path.write_text(json.dumps(previous + [dataclasses.asdict(r) for r in rows], indent=1))
