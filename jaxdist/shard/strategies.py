@@ -187,22 +187,27 @@ def _elementwise(eqn, produced, freedom, expanded=lambda v: False) -> Follow | N
   lead = max(candidates, key=lambda i: (math.prod(_shape(eqn.invars[i])),
                                         not expanded(eqn.invars[i]),
                                         freedom(eqn.invars[i]), -i))
-  lead_shape = _shape(eqn.invars[lead])
 
-  def operand_spec(spec, v):
+  def full_dims(v):
     # Operands of the output's rank may have size-1 dims that broadcast (jax 0.10's
     # binary ops accept them): those dims stay unsplit, the others keep the split.
+    # None: another rank (a scalar), replicated.
     vs = _shape(v)
-    if len(vs) != len(shape):
-      return replicated(len(vs))
-    return tuple(a if vs[d] == shape[d] else () for d, a in enumerate(spec))
+    return None if len(vs) != len(shape) else tuple(a == b for a, b in zip(vs, shape))
+
+  lead_full = full_dims(eqn.invars[lead])
+  in_full = [full_dims(v) for v in eqn.invars]
+  out_full = [full_dims(v) for v in eqn.outvars]
+  ranks = [len(_shape(v)) for v in eqn.invars]
+  name = eqn.primitive.name
 
   def mapper(spec):
     # The split of a dim carries over only where the followed operand is full-size.
-    spec = tuple(a if lead_shape[d] == shape[d] else () for d, a in enumerate(spec))
-    ins = tuple(operand_spec(spec, v) for v in eqn.invars)
-    outs = tuple(operand_spec(spec, v) for v in eqn.outvars)
-    return Strategy(eqn.primitive.name, outs, ins)
+    spec = tuple(a if f else () for a, f in zip(spec, lead_full))
+    ins = tuple(replicated(r) if f is None else tuple(a if k else () for a, k in zip(spec, f))
+                for f, r in zip(in_full, ranks))
+    outs = tuple(tuple(a if k else () for a, k in zip(spec, f)) for f in out_full)
+    return Strategy(name, outs, ins)
 
   return Follow(lead, mapper)
 
