@@ -378,7 +378,7 @@ class ParallelizedFunc:
           layout.logical_mesh.axis_size(a) for a in layout.batch_axes)
       if divisor > 1:
         # The shard plan's equations are those of the call-inlined trace.
-        inline = jaxpr_util.PLAN_CALLS if shard_plan is not None else ()
+        inline = jaxpr_util.PLAN_INLINE if shard_plan is not None else ()
         step = with_micro_batch_trace(self.fun, args, static, step, divisor, inline)
     return step, layout, shard_plan
 

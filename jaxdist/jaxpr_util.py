@@ -21,6 +21,12 @@ CALLS = ("jit", "pjit", "closed_call", "core_call")
 # just its primal function, and a rematerialized block (jax.checkpoint, nn.remat) its body
 # behind an optimization barrier (what jax lowers it to).
 PLAN_CALLS = CALLS + ("custom_jvp_call", "custom_vjp_call", "remat2")
+# What the shard planner flattens: PLAN_CALLS, and scans of at most MAX_UNROLLED_SCAN
+# iterations unrolled (a stack of layers written with nn.scan / lax.scan), so each
+# iteration's equations are planned (identical iterations share one solution) and
+# compiled as planned.
+PLAN_INLINE = PLAN_CALLS + ("scan",)
+MAX_UNROLLED_SCAN = 64
 
 
 def identity_marker(name: str) -> jex.Primitive:
@@ -149,7 +155,9 @@ def inline_calls(closed: jex.ClosedJaxpr, primitives: Sequence[str] = CALLS) -> 
 
   Rewrites the equations (nothing is traced again): a body's equations get fresh
   variables, since one body may be called at several places, and its constants become
-  constants of the result.
+  constants of the result. With ``"scan"`` among ``primitives``, a scan of at most
+  :data:`MAX_UNROLLED_SCAN` iterations becomes its body once per iteration (each reading
+  its slice of the scanned operands; the per-iteration results stacked).
   """
   if not any(e.primitive.name in primitives for e in closed.jaxpr.eqns):
     return closed
@@ -159,8 +167,12 @@ def inline_calls(closed: jex.ClosedJaxpr, primitives: Sequence[str] = CALLS) -> 
     for eqn in jaxpr.eqns:
       invars = [v if isinstance(v, jex.Literal) else sub.get(v, v) for v in eqn.invars]
       name = eqn.primitive.name
-      body = _call_body(eqn) if name in primitives else None
-      if name in primitives and name == IDENTITY_MARKER:
+      body = _call_body(eqn) if name in primitives and name != "scan" else None
+      if name == "scan" and name in primitives and eqn.params["length"] <= MAX_UNROLLED_SCAN:
+        outs = _unrolled_scan(eqn, invars, lambda jaxpr, inner: emit(jaxpr, inner, True),
+                              constvars, consts)
+        sub.update((o, v) for o, v in zip(eqn.outvars, outs) if not isinstance(o, jex.DropVar))
+      elif name in primitives and name == IDENTITY_MARKER:
         sub.update((o, i) for o, i in zip(eqn.outvars, invars))
       elif body is not None:
         if name == "remat2" and eqn.params["prevent_cse"] and eqn.params["differentiated"]:
@@ -186,6 +198,52 @@ def inline_calls(closed: jex.ClosedJaxpr, primitives: Sequence[str] = CALLS) -> 
   jaxpr = jex.Jaxpr(constvars, closed.jaxpr.invars, outvars, eqns, closed.jaxpr.effects,
                     closed.jaxpr.debug_info)
   return jex.ClosedJaxpr(jaxpr, consts)
+
+
+def _unrolled_scan(eqn, invars: list, emit: Callable, constvars: list, consts: list) -> list:
+  """Emits a scan's iterations (``emit(jaxpr, substitution)`` appends a body's equations
+  with fresh variables) and returns the atoms of the scan's outputs."""
+  p = eqn.params
+  body, length, n_consts, n_carry = p["jaxpr"], p["length"], p["num_consts"], p["num_carry"]
+  inner_consts = {}
+  for v, c in zip(body.jaxpr.constvars, body.consts):  # one constant per scan, not per step
+    inner_consts[v] = jex.Var(v.aval)
+    constvars.append(inner_consts[v])
+    consts.append(c)
+  scan_consts, carry, xs = invars[:n_consts], invars[n_consts:n_consts + n_carry], invars[n_consts + n_carry:]
+  ys = [[None] * length for _ in body.jaxpr.outvars[n_carry:]]
+  for r in (reversed(range(length)) if p["reverse"] else range(length)):
+    sliced = [_emit_helper(_index_jaxpr(x.aval, r), [x], emit) for x in xs]
+    inner = dict(inner_consts)
+    inner.update(zip(body.jaxpr.invars, [*scan_consts, *carry, *(s[0] for s in sliced)]))
+    emit(body.jaxpr, inner)
+    outs = [v if isinstance(v, jex.Literal) else inner.get(v, v) for v in body.jaxpr.outvars]
+    carry = outs[:n_carry]
+    for y, v in zip(ys, outs[n_carry:]):
+      y[r] = v
+  stacked = [_emit_helper(_stack_jaxpr(y[0].aval, length), y, emit)[0] for y in ys]
+  return [*carry, *stacked]
+
+
+def _emit_helper(closed: jex.ClosedJaxpr, operands: list, emit: Callable) -> list:
+  inner = dict(zip(closed.jaxpr.invars, operands))
+  emit(closed.jaxpr, inner)
+  return [v if isinstance(v, jex.Literal) else inner.get(v, v) for v in closed.jaxpr.outvars]
+
+
+@functools.lru_cache(maxsize=4096)
+def _index_jaxpr(aval, r: int) -> jex.ClosedJaxpr:
+  """``x[r]`` of a value of ``aval`` (a slice and a squeeze)."""
+  return jax.make_jaxpr(lambda x: jax.lax.index_in_dim(x, r, keepdims=False))(
+      jax.ShapeDtypeStruct(aval.shape, aval.dtype))
+
+
+@functools.lru_cache(maxsize=1024)
+def _stack_jaxpr(aval, length: int) -> jex.ClosedJaxpr:
+  """``stack(ys)`` of ``length`` values of ``aval`` along a new leading dim."""
+  y = jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+  return jax.make_jaxpr(lambda *ys: jax.lax.concatenate(
+      [jax.lax.reshape(v, (1, *aval.shape)) for v in ys], 0))(*[y] * length)
 
 
 def _barrier(invars: list, eqn, eqns: list) -> list:

@@ -6,6 +6,7 @@ order of cross-device sums differs).
 
 import itertools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -138,7 +139,8 @@ def _control_flow_step(state, batch):
   def loss_fn(w):
     x = batch["x"]
     h = x @ w
-    h = jax.lax.fori_loop(0, 3, lambda i, c: jnp.tanh(c) * 0.9 + 0.1 * h, h)
+    h = jax.lax.fori_loop(0, 3, lambda i, c: jnp.tanh(c) * 0.9 + 0.1 * h, h)  # unrolled
+    h = jax.lax.fori_loop(0, 80, lambda i, c: c * 0.99 + 0.01 * jnp.tanh(h), h)  # kept
     h = jax.lax.cond(h.sum() > 0, lambda a: a * 2.0, lambda a: a - 1.0, h)
     h = h + jnp.sort(h, axis=1) * 0.1
     h = h + jnp.cumsum(h, axis=1) * 0.01
@@ -157,6 +159,10 @@ def test_control_flow_and_unusual_ops_run_and_match_serial():
   expected = jax.jit(_control_flow_step)(w, batch)
   step = jd.parallelize(_control_flow_step, method=jd.ShardParallel(logical_mesh_shape=(2, 4)))
   assert_trees_close(step(w, batch), expected, rtol=1e-4, atol=1e-6)
+  notes = " ".join(step.get_executable(w, batch).plan.notes)
+  assert "scans of at most 64 iterations are unrolled" in notes, notes
+  # The long loop (forward and backward) and the conditional stay as XLA places them.
+  assert "2 x scan of 80 iterations, 2 x cond" in notes, notes
 
 
 def test_partition_constraints_pin_leaves():
@@ -343,8 +349,6 @@ def test_batch_norm_statistics_do_not_force_all_gathers():
 
 
 def _remat_gpt_step():
-  import flax.linen as nn
-
   class RematGPT(nn.Module):
     """models.GPT with every block under nn.remat (Griffin's and many libraries' default)."""
     config: models.GPTConfig
@@ -384,3 +388,54 @@ def test_rematerialized_blocks_are_planned_inside():
       exe.check_communication())
   expected = jax.jit(step)(state, batch)
   assert_trees_close(f(state, batch), expected, rtol=1e-4, atol=1e-5)
+
+
+class _ScanBlock(nn.Module):
+  config: models.GPTConfig
+
+  @nn.compact
+  def __call__(self, x, _):
+    return models.Block(self.config)(x), None
+
+
+def _scan_gpt_step(depth=3):
+  class ScanGPT(nn.Module):
+    """models.GPT with its blocks stacked by nn.scan over nn.remat (MaxText's and many
+    libraries' layout: one set of weights with a leading layer dim)."""
+    config: models.GPTConfig
+
+    @nn.compact
+    def __call__(self, tokens):
+      c = self.config
+      x = models.embed(self, c, tokens)
+      x, _ = nn.scan(nn.remat(_ScanBlock), variable_axes={"params": 0},
+                     split_rngs={"params": True}, length=c.depth)(c, name="blocks")(x, None)
+      return nn.Dense(c.vocab)(nn.LayerNorm()(x))
+
+  config = models.GPTConfig(vocab=256, width=128, heads=4, depth=depth, seq_len=16)
+  batch = models.token_batch(16, config)
+  state = models.create_state(ScanGPT(config), batch["tokens"][:, :-1],
+                              tx=optax.sgd(0.1, momentum=0.9))
+  return models.lm_step(jd.value_and_grad), state, batch
+
+
+def test_scanned_layers_are_planned_inside():
+  """A GPT whose blocks are one nn.scan over nn.remat: under a budget that rules out data
+  parallelism the plan splits the stacked kernels on a non-layer dim, matches serial and
+  predicts its collectives (the scan is unrolled; its iterations share one solution)."""
+  step, state, batch = _scan_gpt_step()
+  dp = jd.parallelize(step, method=jd.DataParallel()).get_executable(state, batch)
+  method = jd.ShardParallel(logical_mesh_shape=(2, 4), auto_sharding_option=jd.AutoShardingOption(
+      memory_budget_per_device=0.6 * dp.get_total_allocation_size(), plan_cache=False))
+  f = jd.parallelize(step, method=method)
+  exe = f.get_executable(state, batch)
+  notes = " ".join(exe.plan.notes)
+  assert "unrolled" in notes and "lack of a sharding rule" not in notes, notes
+  kernels = [e.spec for e in exe.plan.inputs
+             if "blocks" in e.path and "kernel" in e.path and e.role == "param"]
+  assert len(kernels) == 6, kernels
+  assert all(spec[:1] in ((), (None,)) for spec in kernels), kernels  # the layer dim whole
+  assert any(any(s is not None for s in spec) for spec in kernels), kernels
+  assert not any("DIFFERS" in line for line in exe.check_communication()), (
+      exe.check_communication())
+  assert_trees_close(f(state, batch), jax.jit(step)(state, batch), rtol=1e-4, atol=1e-5)

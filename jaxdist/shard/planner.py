@@ -9,6 +9,7 @@ ILP small; the estimate is the planner's, the compiled figure is XLA's.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -156,7 +157,8 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep,
           f"{base.num_devices}.")
   # Calls are inlined; jaxdist.grad's marker stays (the strategy graph sees through it)
   # so that gradient accumulation can split the planned step there.
-  inlined, marker = inline_keeping_marker(step.closed_jaxpr, jaxpr_util.PLAN_CALLS)
+  scans = jaxpr_util.count_primitive(step.closed_jaxpr.jaxpr, "scan")
+  inlined, marker = inline_keeping_marker(step.closed_jaxpr, jaxpr_util.PLAN_INLINE)
   step = dataclasses.replace(step, closed_jaxpr=inlined, marker_index=marker)
   if k > 1:
     uses_marker(method, step)  # raises unless there is one top-level marker
@@ -190,6 +192,7 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep,
     notes.append("planned replicated for lack of a sharding rule (XLA places them, so the "
                  "collectives around them may differ from the prediction): "
                  + ", ".join(f"{n} x {name}" for name, n in sorted(unknown.items())))
+  notes += _loop_notes(scans, inlined.jaxpr)
   notes.append(f"chosen: {'x'.join(map(str, best.lmesh.shape))}, "
                + (f"{why} (no shape search)" if why else
                   f"the lowest predicted step time of {len(shapes)} shapes searched"))
@@ -201,6 +204,25 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep,
                  f"1/{k} of the batch each); gradients are reduced once, after the loop")
   layout = dataclasses.replace(layout, notes=layout.notes + tuple(notes))
   return ShardPlanResult(step, layout, best.solution.objective, objectives, predicted, best)
+
+
+def _loop_notes(scans: int, jaxpr) -> list[str]:
+  """What became of the step's loops: short scans are unrolled (planned and compiled per
+  iteration); other loops and conditionals run replicated, as XLA places them."""
+  kept = [e for e in jaxpr.eqns if e.primitive.name in ("scan", "while", "cond")]
+  notes = []
+  if scans > sum(e.primitive.name == "scan" for e in kept):
+    notes.append(f"scans of at most {jaxpr_util.MAX_UNROLLED_SCAN} iterations are unrolled: "
+                 f"each iteration is planned and compiled as planned (identical iterations "
+                 f"share one solution)")
+  if kept:
+    counts = collections.Counter(
+        e.primitive.name + (f" of {e.params['length']} iterations" if "length" in e.params else "")
+        for e in kept)
+    what = ", ".join(f"{n} x {name}" for name, n in counts.items())
+    notes.append(f"planned replicated (loops and conditionals are not planned inside; XLA "
+                 f"places them): {what}")
+  return notes
 
 
 def _micro_batch_repeats(step: TracedStep, graph: StrategyGraph, batch_axes, k: int):

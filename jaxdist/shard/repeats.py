@@ -34,9 +34,15 @@ class Repeat:
   copies: int
 
 
+# Where a slice starts does not change how it may be split: an unrolled scan's
+# iterations differ only there (each reads its own layer of the stacked weights).
+_POSITION_PARAMS = frozenset({"start_indices", "limit_indices"})
+
+
 def _signature(eqn) -> tuple:
   params = tuple(sorted((k, repr(v)) for k, v in eqn.params.items()
-                        if not isinstance(v, (jex.Jaxpr, jex.ClosedJaxpr))))
+                        if not isinstance(v, (jex.Jaxpr, jex.ClosedJaxpr))
+                        and k not in _POSITION_PARAMS))
   avals = tuple((tuple(getattr(v.aval, "shape", ())), str(getattr(v.aval, "dtype", "")))
                 for v in list(eqn.invars) + list(eqn.outvars))
   return (eqn.primitive.name, avals, params)

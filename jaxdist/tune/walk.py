@@ -229,7 +229,7 @@ class _Walk:
     traced = self.traced()
     if traced is None:
       return None
-    inlined = jaxpr_util.inline_calls(traced.closed_jaxpr, jaxpr_util.PLAN_CALLS)
+    inlined = jaxpr_util.inline_calls(traced.closed_jaxpr, jaxpr_util.PLAN_INLINE)
     return sum(e.primitive.name in ("dot_general", "conv_general_dilated")
                for e in inlined.jaxpr.eqns) // 3
 
