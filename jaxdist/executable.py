@@ -15,6 +15,7 @@ from jaxdist.accumulate import split_step_fn
 from jaxdist import inspect as hlo_inspect
 from jaxdist.layouts import Layout
 from jaxdist.plan import Plan, PlanEntry
+from jaxdist.shard.rolled import rolled_fn
 from jaxdist.trace import TracedStep
 
 
@@ -187,6 +188,8 @@ def compile_layout(step: TracedStep, layout: Layout, timings: dict | None = None
     flat_fun = split_step_fn(step, mesh, layout.batch_axes, layout.num_micro_batches,
                              layout.grad_reduce_specs, layout.eqn_constraints,
                              layout.operand_constraints, layout.stream_inputs)
+  elif layout.rolled is not None:
+    flat_fun = rolled_fn(layout.rolled, mesh)
   elif layout.eqn_constraints or layout.operand_constraints:
     flat_fun = constrained_fn(step.closed_jaxpr, mesh, layout.eqn_constraints or {},
                               layout.operand_constraints or {})

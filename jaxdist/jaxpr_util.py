@@ -23,10 +23,10 @@ CALLS = ("jit", "pjit", "closed_call", "core_call")
 PLAN_CALLS = CALLS + ("custom_jvp_call", "custom_vjp_call", "remat2")
 # What the shard planner flattens: PLAN_CALLS, and scans of at most MAX_UNROLLED_SCAN
 # iterations unrolled (a stack of layers written with nn.scan / lax.scan), so each
-# iteration's equations are planned (identical iterations share one solution) and
-# compiled as planned.
+# iteration's equations are planned (identical iterations share one solution; the step
+# still compiles with the scan as a loop, see jaxdist.shard.rolled).
 PLAN_INLINE = PLAN_CALLS + ("scan",)
-MAX_UNROLLED_SCAN = 64
+MAX_UNROLLED_SCAN = 128
 
 
 def identity_marker(name: str) -> jex.Primitive:
@@ -155,11 +155,28 @@ def inline_calls(closed: jex.ClosedJaxpr, primitives: Sequence[str] = CALLS) -> 
 
   Rewrites the equations (nothing is traced again): a body's equations get fresh
   variables, since one body may be called at several places, and its constants become
-  constants of the result. With ``"scan"`` among ``primitives``, a scan of at most
-  :data:`MAX_UNROLLED_SCAN` iterations becomes its body once per iteration (each reading
-  its slice of the scanned operands; the per-iteration results stacked).
+  constants of the result. With ``"scan"`` among ``primitives``, calls inside scan bodies
+  are inlined too and a scan of at most :data:`MAX_UNROLLED_SCAN` iterations becomes its
+  body once per iteration (:func:`unroll_scans`).
   """
-  if not any(e.primitive.name in primitives for e in closed.jaxpr.eqns):
+  if "scan" in primitives:
+    calls = tuple(p for p in primitives if p != "scan")
+    return unroll_scans(_inline(closed, calls, deep=True))[0]
+  return _inline(closed, primitives, deep=False)
+
+
+def rolled_and_unrolled(closed: jex.ClosedJaxpr):
+  """For the shard planner: (``closed`` with :data:`PLAN_CALLS` inlined, also inside scan
+  bodies; that with its short scans unrolled, which is ``inline_calls(closed,
+  PLAN_INLINE)``; and per unrolled equation its origin, see :func:`unroll_scans`)."""
+  rolled = _inline(closed, PLAN_CALLS, deep=True)
+  return (rolled, *unroll_scans(rolled))
+
+
+def _inline(closed: jex.ClosedJaxpr, primitives: Sequence[str], deep: bool) -> jex.ClosedJaxpr:
+  """:func:`inline_calls` without unrolling; ``deep``: inside scan bodies too."""
+  if not any(e.primitive.name in primitives or (deep and e.primitive.name == "scan")
+             for e in closed.jaxpr.eqns):
     return closed
   constvars, consts, eqns = list(closed.jaxpr.constvars), list(closed.consts), []
 
@@ -167,12 +184,8 @@ def inline_calls(closed: jex.ClosedJaxpr, primitives: Sequence[str] = CALLS) -> 
     for eqn in jaxpr.eqns:
       invars = [v if isinstance(v, jex.Literal) else sub.get(v, v) for v in eqn.invars]
       name = eqn.primitive.name
-      body = _call_body(eqn) if name in primitives and name != "scan" else None
-      if name == "scan" and name in primitives and eqn.params["length"] <= MAX_UNROLLED_SCAN:
-        outs = _unrolled_scan(eqn, invars, lambda jaxpr, inner: emit(jaxpr, inner, True),
-                              constvars, consts)
-        sub.update((o, v) for o, v in zip(eqn.outvars, outs) if not isinstance(o, jex.DropVar))
-      elif name in primitives and name == IDENTITY_MARKER:
+      body = _call_body(eqn) if name in primitives else None
+      if name in primitives and name == IDENTITY_MARKER:
         sub.update((o, i) for o, i in zip(eqn.outvars, invars))
       elif body is not None:
         if name == "remat2" and eqn.params["prevent_cse"] and eqn.params["differentiated"]:
@@ -190,7 +203,10 @@ def inline_calls(closed: jex.ClosedJaxpr, primitives: Sequence[str] = CALLS) -> 
         if fresh:
           outvars = [o if isinstance(o, jex.DropVar) else jex.Var(o.aval) for o in outvars]
           sub.update(zip(eqn.outvars, outvars))
-        eqns.append(eqn.replace(invars=invars, outvars=outvars))
+        params = eqn.params
+        if deep and name == "scan":
+          params = dict(params, jaxpr=_inline(params["jaxpr"], primitives, deep=True))
+        eqns.append(eqn.replace(invars=invars, outvars=outvars, params=params))
 
   top: dict = {}
   emit(closed.jaxpr, top, False)
@@ -200,9 +216,52 @@ def inline_calls(closed: jex.ClosedJaxpr, primitives: Sequence[str] = CALLS) -> 
   return jex.ClosedJaxpr(jaxpr, consts)
 
 
-def _unrolled_scan(eqn, invars: list, emit: Callable, constvars: list, consts: list) -> list:
-  """Emits a scan's iterations (``emit(jaxpr, substitution)`` appends a body's equations
-  with fresh variables) and returns the atoms of the scan's outputs."""
+def unroll_scans(closed: jex.ClosedJaxpr):
+  """``closed`` with every scan of at most :data:`MAX_UNROLLED_SCAN` iterations (nested
+  ones too) written out once per iteration, each iteration reading its slice of the
+  scanned operands and the per-iteration results stacked; and per equation of the
+  result its origin in ``closed``:
+
+  - ``("eqn", path)``: the equation at ``path``: ``(i,)`` is ``closed``'s equation ``i``;
+    ``(i, r, j)`` equation ``j`` of the body of scan ``i`` in iteration ``r``; and so on
+    for nested scans;
+  - ``("xs", path, r, q)``: iteration ``r``'s slice of the ``q``-th scanned operand of
+    the scan at ``path``; ``("ys", path, q)``: the stacking of its ``q``-th result;
+  - None: a reshape inside that stacking.
+  """
+  def short(e):
+    return e.primitive.name == "scan" and e.params["length"] <= MAX_UNROLLED_SCAN
+
+  if not any(short(e) for e in closed.jaxpr.eqns):
+    return closed, [("eqn", (i,)) for i in range(len(closed.jaxpr.eqns))]
+  constvars, consts, eqns, origins = list(closed.jaxpr.constvars), list(closed.consts), [], []
+
+  def emit(jaxpr, sub: dict, fresh: bool, path: tuple) -> None:
+    for i, eqn in enumerate(jaxpr.eqns):
+      invars = [v if isinstance(v, jex.Literal) else sub.get(v, v) for v in eqn.invars]
+      if short(eqn):
+        outs = _unrolled_scan(eqn, invars, path + (i,), emit, constvars, consts, eqns, origins)
+        sub.update((o, v) for o, v in zip(eqn.outvars, outs) if not isinstance(o, jex.DropVar))
+        continue
+      outvars = eqn.outvars
+      if fresh:
+        outvars = [o if isinstance(o, jex.DropVar) else jex.Var(o.aval) for o in outvars]
+        sub.update(zip(eqn.outvars, outvars))
+      eqns.append(eqn.replace(invars=invars, outvars=outvars))
+      origins.append(("eqn", path + (i,)))
+
+  top: dict = {}
+  emit(closed.jaxpr, top, False, ())
+  outvars = [v if isinstance(v, jex.Literal) else top.get(v, v) for v in closed.jaxpr.outvars]
+  jaxpr = jex.Jaxpr(constvars, closed.jaxpr.invars, outvars, eqns, closed.jaxpr.effects,
+                    closed.jaxpr.debug_info)
+  return jex.ClosedJaxpr(jaxpr, consts), origins
+
+
+def _unrolled_scan(eqn, invars: list, path: tuple, emit: Callable, constvars: list,
+                   consts: list, eqns: list, origins: list) -> list:
+  """Emits a scan's iterations (``emit(jaxpr, substitution, fresh, path)`` appends a
+  body's equations) and returns the atoms of the scan's outputs."""
   p = eqn.params
   body, length, n_consts, n_carry = p["jaxpr"], p["length"], p["num_consts"], p["num_carry"]
   inner_consts = {}
@@ -210,25 +269,30 @@ def _unrolled_scan(eqn, invars: list, emit: Callable, constvars: list, consts: l
     inner_consts[v] = jex.Var(v.aval)
     constvars.append(inner_consts[v])
     consts.append(c)
-  scan_consts, carry, xs = invars[:n_consts], invars[n_consts:n_consts + n_carry], invars[n_consts + n_carry:]
+  scan_consts, carry = invars[:n_consts], invars[n_consts:n_consts + n_carry]
+  xs = invars[n_consts + n_carry:]
+
+  def helper(closed, operands, origin):
+    inner = dict(zip(closed.jaxpr.invars, operands))
+    start = len(eqns)
+    emit(closed.jaxpr, inner, True, ())
+    origins[start:] = [None] * (len(eqns) - start - 1) + [origin]
+    return [v if isinstance(v, jex.Literal) else inner.get(v, v) for v in closed.jaxpr.outvars]
+
   ys = [[None] * length for _ in body.jaxpr.outvars[n_carry:]]
   for r in (reversed(range(length)) if p["reverse"] else range(length)):
-    sliced = [_emit_helper(_index_jaxpr(x.aval, r), [x], emit) for x in xs]
+    sliced = [helper(_index_jaxpr(x.aval, r), [x], ("xs", path, r, q))[0]
+              for q, x in enumerate(xs)]
     inner = dict(inner_consts)
-    inner.update(zip(body.jaxpr.invars, [*scan_consts, *carry, *(s[0] for s in sliced)]))
-    emit(body.jaxpr, inner)
+    inner.update(zip(body.jaxpr.invars, [*scan_consts, *carry, *sliced]))
+    emit(body.jaxpr, inner, True, path + (r,))
     outs = [v if isinstance(v, jex.Literal) else inner.get(v, v) for v in body.jaxpr.outvars]
     carry = outs[:n_carry]
     for y, v in zip(ys, outs[n_carry:]):
       y[r] = v
-  stacked = [_emit_helper(_stack_jaxpr(y[0].aval, length), y, emit)[0] for y in ys]
+  stacked = [helper(_stack_jaxpr(y[0].aval, length), y, ("ys", path, q))[0]
+             for q, y in enumerate(ys)]
   return [*carry, *stacked]
-
-
-def _emit_helper(closed: jex.ClosedJaxpr, operands: list, emit: Callable) -> list:
-  inner = dict(zip(closed.jaxpr.invars, operands))
-  emit(closed.jaxpr, inner)
-  return [v if isinstance(v, jex.Literal) else inner.get(v, v) for v in closed.jaxpr.outvars]
 
 
 @functools.lru_cache(maxsize=4096)

@@ -50,6 +50,9 @@ class Layout:
       the gradient computation sharded and are all-gathered anew before each equation
       that reads them (``jaxdist.accumulate``), so a gathered copy lives only around its
       use, as in FSDP.
+    rolled: a :class:`jaxdist.shard.rolled.Rolled` when the plan was made on unrolled
+      scans whose iterations all got the same constraints: the step compiles with those
+      scans as loops (the equation indices above are the unrolled jaxpr's).
   """
 
   logical_mesh: LogicalMesh
@@ -63,6 +66,7 @@ class Layout:
   eqn_constraints: dict[int, tuple[PartitionSpec, ...]] | None = None
   operand_constraints: dict[int, tuple[PartitionSpec | None, ...]] | None = None
   stream_inputs: dict[int, PartitionSpec] | None = None
+  rolled: object = None
 
 
 def batch_spec(lmesh: LogicalMesh) -> PartitionSpec:

@@ -106,3 +106,33 @@ def test_checkpoints_resume_bit_identically_and_restore_into_another_plan(tmp_pa
   assert_trees_close(into, saved, rtol=0, atol=0)
   with pytest.raises(errors.InvalidArgumentError, match="nothing saved"):
     jd.checkpoint.restore(tmp_path / "none", like=abstract)
+
+
+def test_pipeline_checkpoints_resume_and_cross_with_data_parallel(tmp_path):
+  """A PipeshardParallel state (its leaves on the stages' sub-meshes) saves and resumes
+  bit-identically, restores into a DataParallel run, and a DataParallel checkpoint
+  restores into the pipeline's layout."""
+  pipe = jd.parallelize(models.lm_step(jd.value_and_grad), method=jd.PipeshardParallel(
+      num_micro_batches=2, layer_option=jd.AutoLayerOption(layer_num=2),
+      stage_option=jd.UniformStageOption(num_stages=2)))
+  state = pipe.create_state(init_fn, KEY, batch=BATCH)
+  state, _ = pipe(state, BATCH)
+  homes = {frozenset(x.sharding.device_set) for x in jax.tree.leaves(state)}
+  assert len(homes) > 1, homes  # the state really is spread over the stages' sub-meshes
+  jd.checkpoint.save(tmp_path / "pipe", state, step=1)
+  continued, metrics = pipe(state, BATCH)
+  abstract = jax.eval_shape(init_fn, KEY)
+  exe = pipe.get_executable(abstract, BATCH)
+  restored = jd.checkpoint.restore(tmp_path / "pipe", like=abstract, executable=exe)
+  assert [x.sharding for x in jax.tree.leaves(restored)] == jax.tree.leaves(exe.input_shardings[0])
+  saved = jax.device_get(restored)
+  assert_trees_close(pipe(restored, BATCH), (continued, metrics), rtol=0, atol=0)
+  dp = jd.parallelize(models.lm_step(jd.value_and_grad), method=jd.DataParallel())
+  into_dp = jd.checkpoint.restore(tmp_path / "pipe", like=abstract,
+                                  executable=dp.get_executable(abstract, BATCH))
+  assert_trees_close(into_dp, saved, rtol=0, atol=0)
+  # And back: the DataParallel copy saved, restored into the pipeline's layout.
+  jd.checkpoint.save(tmp_path / "dp", into_dp)
+  into_pipe = jd.checkpoint.restore(tmp_path / "dp", like=abstract, executable=exe)
+  assert [x.sharding for x in jax.tree.leaves(into_pipe)] == jax.tree.leaves(exe.input_shardings[0])
+  assert_trees_close(into_pipe, saved, rtol=0, atol=0)

@@ -20,7 +20,8 @@ collectives in one phase never depend on each other through an emitting equation
 For predictions: the collectives of a solved plan are combined as XLA does it, along the
 data flow: a kind × axes has as many combined ops as its longest chain of collectives
 that depend on each other (each op of a chain must wait for the one before), and at least
-as many as the thresholds require.
+as many as the thresholds require. Inside a loop (a scan the planner unrolled and the
+step compiles rolled) collectives combine only within one iteration.
 """
 
 from __future__ import annotations
@@ -129,15 +130,17 @@ class Members:
     self._members = defaultdict(list)
     self._kinds = cost_model.combining.kinds
 
-  def add(self, collective, phase: int, where) -> None:
+  def add(self, collective, phase: int, where, region=None) -> None:
+    """``region``: the loop iteration the collective runs in (None: outside loops); XLA
+    combines collectives of one loop body only with each other."""
     kind, axes, nbytes = collective
     if kind in self._kinds:
-      self._members[kind, tuple(axes), phase].append((where, nbytes))
+      self._members[kind, tuple(axes), phase, region].append((where, nbytes))
 
   def terms(self) -> Terms:
     combining = self._cost_model.combining
     return Terms(tuple(Term(kind, axes, phase, self._cost_model.latency(axes), tuple(members))
-                       for (kind, axes, phase), members in self._members.items()
+                       for (kind, axes, phase, _), members in self._members.items()
                        if self._cost_model.latency(axes) > 0),
                  combining.threshold_bytes, combining.threshold_count)
 
@@ -170,14 +173,20 @@ def predict(graph, choice, cost_model: CostModel,
                if (c_kind, c_axes) == (kind, axes)]
     total = sum(b for _, b in entries)
     if kind in combining.kinds:
-      weight = defaultdict(int)
-      for k, _ in entries:
-        weight[k] += repeat(k, kind, axes)
-      chain = np.zeros(len(graph.nodes), dtype=np.int64)
-      for k in range(len(graph.nodes)):
-        chain[k] = max((chain[p] for p in preds[k]), default=0) + weight[k]
-      count = max(int(chain.max()), math.ceil(total / combining.threshold_bytes),
-                  math.ceil(len(entries) / combining.threshold_count))
+      count = 0
+      regions = defaultdict(list)  # a loop body's collectives combine only with each other
+      for k, b in entries:
+        regions[graph.nodes[k].region].append((k, b))
+      for members in regions.values():
+        weight = defaultdict(int)
+        for k, _ in members:
+          weight[k] += repeat(k, kind, axes)
+        chain = np.zeros(len(graph.nodes), dtype=np.int64)
+        for k in range(len(graph.nodes)):
+          chain[k] = max((chain[p] for p in preds[k]), default=0) + weight[k]
+        count += max(int(chain.max()), math.ceil(sum(b for _, b in members)
+                                                 / combining.threshold_bytes),
+                     math.ceil(len(members) / combining.threshold_count))
     else:
       count = sum(repeat(k, kind, axes) for k, _ in entries)
     entry = out.setdefault(kind, {"count": 0, "result_bytes": 0.0})

@@ -41,6 +41,7 @@ class Node:
   strategies: list[Strategy]
   eqn: object = None
   input_index: int | None = None
+  region: object = None  # the loop iteration it runs in (see build_graph's regions)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +115,8 @@ class StrategyGraph:
 
 def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimAxes]] | None = None,
                 tied_outputs: dict[int, int] | None = None,
-                batch_inputs: frozenset[int] = frozenset()) -> StrategyGraph:
+                batch_inputs: frozenset[int] = frozenset(),
+                regions: list | None = None) -> StrategyGraph:
   """Builds the strategy graph of an (inlined) jaxpr.
 
   Args:
@@ -124,6 +126,8 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
       forcing); default every divisible spec.
     tied_outputs: output position → input position it must match (donated state).
     batch_inputs: input positions holding the batch.
+    regions: per equation, the loop iteration it runs in once compiled (an unrolled
+      scan compiled as a loop) or None; collectives combine only within one.
   """
   sizes = cost_model.axis_sizes
   nodes: list[Node] = []
@@ -154,7 +158,7 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
     producer[v] = (new_node(f"input {k}", strategies, input_index=k), 0)
 
   expanded: set = set()  # values broadcast up from fewer elements (see _track_expanded)
-  for eqn in jaxpr.eqns:
+  for index, eqn in enumerate(jaxpr.eqns):
     if not eqn.outvars:  # nothing to shard (jaxdist.mark_pipeline_boundary, say)
       continue
     if eqn.primitive.name in MARKERS:
@@ -183,6 +187,8 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
       node_id = len(nodes) - 1
     else:
       node_id = new_node(eqn.primitive.name, rule, eqn)
+    if regions is not None:
+      nodes[node_id].region = regions[index]
     for pos, v in enumerate(eqn.outvars):
       if not isinstance(v, jex.DropVar):
         producer[v] = (node_id, pos)
@@ -221,7 +227,7 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
     for t, s in enumerate(node.strategies):
       group_costs[node.group][t] += s.cost
       for c in s.collectives:
-        members.add(c, phase[k], ("x", node.group, t))
+        members.add(c, phase[k], ("x", node.group, t), node.region)
     if node.eqn is None:
       continue
     if fused[k]:
@@ -281,8 +287,10 @@ def _add_edge(group_costs, edge_costs, cost_model, members, nodes, flow: Flow, p
         collectives = cost_model.reshard_collectives(have, want, flow.full_bytes)
         cache[key] = (sum(cost_model.collective(*c) for c in collectives), collectives)
       matrix[a, b], collectives = cache[key]
+      region = None if flow.tied else nodes[flow.dst].region
       for c in collectives:
-        members.add(c, phase, ("x", dst_group, b) if same else ("e", src.group, dst_group, a, b))
+        members.add(c, phase, ("x", dst_group, b) if same else ("e", src.group, dst_group, a, b),
+                    region)
   if same:
     group_costs[dst_group] += np.diag(matrix)
     return

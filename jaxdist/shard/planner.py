@@ -30,12 +30,13 @@ from jaxdist.shard import cache, combine
 from jaxdist.shard.cost import CostModel, combining_for
 from jaxdist.shard.graph import StrategyGraph, build_graph
 from jaxdist.shard.repeats import tie_groups
+from jaxdist.shard.rolled import roll
 from jaxdist.shard.solver import MemoryConstraint, Solution, solve_ilp
 from jaxdist.shard.specs import (DimAxes, divides, enumerate_specs, from_partition_spec,
                                  num_shards, to_partition_spec)
 from jaxdist.shard.strategies import ELEMENTWISE, nbytes
 from jaxdist.grad import GRAD
-from jaxdist.trace import BATCH, OPTIMIZER, PARAM, TracedStep, inline_keeping_marker
+from jaxdist.trace import BATCH, OPTIMIZER, PARAM, TracedStep
 
 MEMORY_CHECK_POINTS = 8
 # Between a gradient's producing dot or sum and the gradient marker: additions, casts,
@@ -157,11 +158,15 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep,
           f"{base.num_devices}.")
   # Calls are inlined; jaxdist.grad's marker stays (the strategy graph sees through it)
   # so that gradient accumulation can split the planned step there.
-  scans = jaxpr_util.count_primitive(step.closed_jaxpr.jaxpr, "scan")
-  inlined, marker = inline_keeping_marker(step.closed_jaxpr, jaxpr_util.PLAN_INLINE)
-  step = dataclasses.replace(step, closed_jaxpr=inlined, marker_index=marker)
+  rolled_jaxpr, inlined, origins = jaxpr_util.rolled_and_unrolled(step.closed_jaxpr)
+  found = jaxpr_util.find_eqns(inlined.jaxpr, jaxpr_util.IDENTITY_MARKER)
+  step = dataclasses.replace(step, closed_jaxpr=inlined,
+                             marker_index=found[0] if len(found) == 1 else None)
   if k > 1:
     uses_marker(method, step)  # raises unless there is one top-level marker
+  # With one micro-batch the unrolled scans compile as loops (see rolled.py), whose
+  # collectives combine only within an iteration; with more, the step compiles unrolled.
+  regions = _loop_regions(origins) if k == 1 else None
   plans, objectives, infeasible = [], {}, []
   with progress.bar(len(shapes), "ShardParallel: planning") as shown:
     for shape in shapes:
@@ -169,7 +174,7 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep,
       shown.describe(f"ShardParallel: solving mesh {name}")
       lmesh = mesh_for(shape, base, method.plan.axis_names if method.plan is not None else None)
       try:
-        plan = _plan_one(step, lmesh, opt, pinned, k)
+        plan = _plan_one(step, lmesh, opt, pinned, k, regions)
       except errors.InfeasiblePlanError as e:
         infeasible.append((shape, e))
         continue
@@ -192,7 +197,7 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep,
     notes.append("planned replicated for lack of a sharding rule (XLA places them, so the "
                  "collectives around them may differ from the prediction): "
                  + ", ".join(f"{n} x {name}" for name, n in sorted(unknown.items())))
-  notes += _loop_notes(scans, inlined.jaxpr)
+  notes += _loop_notes(inlined.jaxpr, origins)
   notes.append(f"chosen: {'x'.join(map(str, best.lmesh.shape))}, "
                + (f"{why} (no shape search)" if why else
                   f"the lowest predicted step time of {len(shapes)} shapes searched"))
@@ -202,19 +207,30 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep,
                                 _micro_batch_repeats(step, best.graph, layout.batch_axes, k))
     notes.append(f"num_micro_batches={k}: the gradient part's collectives run {k} times (on "
                  f"1/{k} of the batch each); gradients are reduced once, after the loop")
+  if regions is not None:
+    rolled = roll(rolled_jaxpr, origins, layout.eqn_constraints, layout.operand_constraints)
+    if isinstance(rolled, str):  # compiled unrolled: collectives combine across iterations
+      notes.append(rolled)
+      for node in best.graph.nodes:
+        node.region = None
+      predicted = combine.predict(best.graph, best.solution.choice, best.cost_model)
+    else:
+      layout = dataclasses.replace(layout, rolled=rolled)
+      notes.append("the unrolled scans compile as loops: every iteration got the same plan")
   layout = dataclasses.replace(layout, notes=layout.notes + tuple(notes))
   return ShardPlanResult(step, layout, best.solution.objective, objectives, predicted, best)
 
 
-def _loop_notes(scans: int, jaxpr) -> list[str]:
-  """What became of the step's loops: short scans are unrolled (planned and compiled per
-  iteration); other loops and conditionals run replicated, as XLA places them."""
+def _loop_notes(jaxpr, origins: list) -> list[str]:
+  """What became of the step's loops: short scans are unrolled for planning (identical
+  iterations share one solution); other loops and conditionals run replicated, as XLA
+  places them."""
   kept = [e for e in jaxpr.eqns if e.primitive.name in ("scan", "while", "cond")]
   notes = []
-  if scans > sum(e.primitive.name == "scan" for e in kept):
-    notes.append(f"scans of at most {jaxpr_util.MAX_UNROLLED_SCAN} iterations are unrolled: "
-                 f"each iteration is planned and compiled as planned (identical iterations "
-                 f"share one solution)")
+  if any(o is not None and o[0] != "eqn" for o in origins):
+    notes.append(f"scans of at most {jaxpr_util.MAX_UNROLLED_SCAN} iterations are unrolled "
+                 f"for planning: each iteration is planned (identical iterations share one "
+                 f"solution)")
   if kept:
     counts = collections.Counter(
         e.primitive.name + (f" of {e.params['length']} iterations" if "length" in e.params else "")
@@ -377,8 +393,24 @@ def _validated_constraint(pattern, pspec, leaf, lmesh) -> DimAxes:
   return spec
 
 
+def _loop_regions(origins: list) -> list | None:
+  """Per equation of the unrolled jaxpr, the loop iteration it runs in once the step is
+  compiled with its scans rolled (None: outside loops); None if nothing was unrolled."""
+  regions, any_loop = [], False
+  for origin in origins:
+    if origin is None or (origin[0] == "eqn" and len(origin[1]) == 1):
+      regions.append(None)
+      continue
+    any_loop = True
+    kind, path = origin[0], origin[1]
+    region = path[:-1] if kind == "eqn" else path + (origin[2],) if kind == "xs" else path[:-1]
+    regions.append(region or None)
+  return regions if any_loop else None
+
+
 def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
-              pinned: dict[int, DimAxes] | None = None, num_micro_batches: int = 1) -> MeshPlan:
+              pinned: dict[int, DimAxes] | None = None, num_micro_batches: int = 1,
+              regions: list | None = None) -> MeshPlan:
   jaxpr = step.closed_jaxpr.jaxpr
   cost_model = CostModel(lmesh, allow_all_gather=opt.allow_all_gather,
                          allow_all_to_all=opt.allow_all_to_all,
@@ -387,7 +419,8 @@ def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
   tied = {o: i for o, i in enumerate(step.output_source) if i is not None}
   batch = frozenset(k for k, leaf in enumerate(step.inputs) if leaf.role == BATCH)
   graph = build_graph(jaxpr, cost_model,
-                      _input_choices(step, lmesh, opt, pinned, num_micro_batches), tied, batch)
+                      _input_choices(step, lmesh, opt, pinned, num_micro_batches), tied, batch,
+                      regions)
   memory = None
   if opt.memory_budget_per_device is not None:
     memory = memory_constraint(jaxpr, graph, step, lmesh)
@@ -395,7 +428,7 @@ def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
   digest = cache.key(str(step.closed_jaxpr), [(l.shape, str(l.dtype), l.role) for l in step.inputs],
                      lmesh.shape, lmesh.axis_names, lmesh.alpha, lmesh.beta, lmesh.peak_flops,
                      lmesh.devices[0].platform, getattr(lmesh.devices[0], "device_kind", ""),
-                     opt, pinned, num_micro_batches, tied)
+                     opt, pinned, num_micro_batches, tied, regions is not None)
   solution = cache.load(digest, len(graph.group_sizes)) if opt.plan_cache else None
   if solution is None:
     free = sum(1 for n in graph.group_sizes if n > 1)

@@ -1,0 +1,132 @@
+"""Compiling a plan made on unrolled scans with the scans kept as loops.
+
+The shard planner unrolls short scans (``jaxpr_util.unroll_scans``): each iteration's
+equations are planned, and identical iterations share one solution (``repeats.py``).
+When every iteration of a scan got the same constraints, the step need not be compiled
+unrolled: the scan runs as a loop whose body carries those constraints, so a stack of
+layers written with ``nn.scan`` compiles as one loop body, as it would without jaxdist.
+
+The constraints are keyed by where they apply in the rolled jaxpr (calls inlined, scans
+kept):
+
+- ``("out", path)`` / ``("in", path)``: outputs / operands of the equation at ``path``
+  (``(i,)`` at the top level, ``(i, j)`` for equation ``j`` of scan ``i``'s body, ...);
+- ``("xs", path, q)``: the slice of the ``q``-th scanned operand one iteration reads;
+- ``("ys", path, q)``: the stacked ``q``-th per-iteration result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.extend.core as jex
+from jax.sharding import NamedSharding
+
+from jaxdist import jaxpr_util
+
+
+@dataclasses.dataclass(frozen=True)
+class Rolled:
+  """The rolled jaxpr of a planned step, its constraints (see the module doc), and the
+  paths of the scans the planner unrolled (they run as loops carrying constraints)."""
+
+  closed: jex.ClosedJaxpr
+  constraints: dict
+  scans: frozenset
+
+
+def roll(closed: jex.ClosedJaxpr, origins: list, eqn_constraints: dict,
+         operand_constraints: dict) -> Rolled | str:
+  """The plan's constraints (indexed by the unrolled jaxpr's equations, whose
+  ``origins`` are given) moved onto ``closed``, the rolled jaxpr; or why they cannot be:
+  two iterations of a scan constrained differently."""
+  out: dict = {}
+  scans = set()
+  for origin in origins:
+    if origin is not None:
+      path = origin[1][::2]
+      scans.update(path[:n] for n in range(1, len(path) + (origin[0] != "eqn")))
+
+  def put(key, specs, where):
+    if out.setdefault(key, specs) != specs:
+      raise _Differ(where)
+
+  try:
+    for index, table, kind in [(i, eqn_constraints, "out") for i in eqn_constraints] + [
+        (i, operand_constraints, "in") for i in operand_constraints]:
+      origin = origins[index]
+      if origin is None:
+        continue
+      if origin[0] == "eqn":
+        put((kind, origin[1][::2]), table[index], origin[1])
+      elif kind == "out" and origin[0] == "xs":
+        put(("xs", origin[1][::2], origin[3]), table[index][0], origin[1])
+      elif kind == "out" and origin[0] == "ys":
+        put(("ys", origin[1][::2], origin[2]), table[index][0], origin[1])
+  except _Differ as e:
+    return (f"iterations of the scan at {e.args[0][:1]} are planned differently, so the step "
+            f"compiles with that scan unrolled")
+  return Rolled(closed, out, frozenset(scans))
+
+
+class _Differ(Exception):
+  pass
+
+
+def rolled_fn(rolled: Rolled, mesh):
+  """A function of the flat inputs that evaluates the rolled jaxpr with its constraints
+  (scans as ``lax.scan`` loops whose bodies carry theirs)."""
+  shardings = {k: (tuple(None if s is None else NamedSharding(mesh, s) for s in v)
+                   if k[0] in ("in", "out") else NamedSharding(mesh, v))
+               for k, v in rolled.constraints.items()}
+
+  def constrain(values, key):
+    wanted = shardings.get(key)
+    if wanted is None:
+      return values
+    return [x if s is None else jax.lax.with_sharding_constraint(x, s)
+            for x, s in zip(values, wanted)]
+
+  def one(x, key):
+    return x if key not in shardings else jax.lax.with_sharding_constraint(x, shardings[key])
+
+  def evaluate(jaxpr, env, path):
+    for i, eqn in enumerate(jaxpr.eqns):
+      here = path + (i,)
+      invals = constrain([jaxpr_util.read(env, v) for v in eqn.invars], ("in", here))
+      if eqn.primitive.name == "scan" and here in rolled.scans:
+        outs = scan(eqn, invals, here)
+      else:
+        outs = jaxpr_util.bind_eqn(eqn, invals)
+      for v, x in zip(eqn.outvars, constrain(outs, ("out", here))):
+        if not isinstance(v, jex.DropVar):
+          env[v] = x
+
+  def scan(eqn, invals, here):
+    p = eqn.params
+    body, n_consts, n_carry = p["jaxpr"], p["num_consts"], p["num_carry"]
+    consts = invals[:n_consts]
+
+    def step(carry, xs):
+      xs = [one(x, ("xs", here, q)) for q, x in enumerate(xs)]
+      env = dict(zip(body.jaxpr.constvars, body.consts))
+      env.update(zip(body.jaxpr.invars, [*consts, *carry, *xs]))
+      evaluate(body.jaxpr, env, here)
+      outs = [jaxpr_util.read(env, v) for v in body.jaxpr.outvars]
+      return outs[:n_carry], outs[n_carry:]
+
+    with eqn.ctx.manager:
+      carry, ys = jax.lax.scan(step, invals[n_consts:n_consts + n_carry],
+                               invals[n_consts + n_carry:], length=p["length"],
+                               reverse=p["reverse"], unroll=p["unroll"])
+    return [*carry, *(one(y, ("ys", here, q)) for q, y in enumerate(ys))]
+
+  def run(*leaves):
+    closed = rolled.closed
+    env = dict(zip(closed.jaxpr.constvars, closed.consts))
+    env.update(zip(closed.jaxpr.invars, leaves))
+    evaluate(closed.jaxpr, env, ())
+    return [jaxpr_util.read(env, v) for v in closed.jaxpr.outvars]
+
+  return run
