@@ -27,9 +27,9 @@ TWO_LEVEL = dict(alpha=(20e-6, 10e-6), beta=(1 / 25e9, 1 / 450e9))
 CONFIG = models.GPTConfig(vocab=256, width=64, heads=4, depth=2, seq_len=32)
 
 
-def _lm(model_cls, tx=None, value_and_grad=jax.value_and_grad):
-  batch = models.token_batch(16, CONFIG)
-  state = models.create_state(model_cls(CONFIG), batch["tokens"][:, :-1],
+def _lm(model_cls, tx=None, value_and_grad=jax.value_and_grad, config=CONFIG):
+  batch = models.token_batch(16, config)
+  state = models.create_state(model_cls(config), batch["tokens"][:, :-1],
                               tx=tx or optax.adam(1e-3))
   return models.lm_step(value_and_grad), state, batch
 
@@ -74,10 +74,16 @@ def test_predicted_collectives_match_the_compiled_module(workload, shape, costs)
 @pytest.mark.parametrize("workload,shape,k", [
     (lambda: _mlp(jd.value_and_grad), (2, 4), 4),
     (lambda: _lm(models.GPT, value_and_grad=jd.value_and_grad), (2, 4), 4),
-], ids=["mlp-2x4-k4", "gpt-2x4-k4"])
+    # Its embedding gradient (a scatter-add) is all-gathered over the data axis in one
+    # step; with micro-batches it joins the gradients' one reduction after the loop.
+    (lambda: _lm(models.GPT, optax.sgd(0.1, momentum=0.9), jd.value_and_grad,
+                 models.GPTConfig(vocab=256, width=128, heads=4, depth=1, seq_len=16)),
+     (2, 4), 2),
+], ids=["mlp-2x4-k4", "gpt-2x4-k4", "gpt-2x4-k2-sgd"])
 def test_predictions_with_micro_batches(workload, shape, k):
-  """The gradient part runs k times in a loop: its collectives are counted k times (XLA
-  counts a loop's body per trip), except the gradient and loss reductions after it."""
+  """The gradient part runs k times in a loop, manual over the batch axes: its collectives
+  over the other axes are counted k times (XLA counts a loop's body per trip); the
+  gradient and loss reductions over the batch axes run once, after it."""
   step, state, batch = workload()
   exe = jd.parallelize(step, method=jd.ShardParallel(
       devices=_mesh(shape, {}), num_micro_batches=k)).get_executable(state, batch)

@@ -146,7 +146,8 @@ class Members:
 
 
 def predict(graph, choice, cost_model: CostModel,
-            repeat=lambda node, kind, axes: 1) -> dict[str, dict[str, float]]:
+            repeat=lambda node, kind, axes: 1,
+            axes_of=lambda node, axes: axes) -> dict[str, dict[str, float]]:
   """kind → {"count", "result_bytes"} per step of a solved plan, combined as XLA does.
 
   ``count`` is, per kind and mesh axes, the longest chain of collectives that depend on
@@ -154,12 +155,14 @@ def predict(graph, choice, cost_model: CostModel,
   collective; never fewer than the byte and operand thresholds need.
   ``repeat(node, kind, axes)``: how many times a node's collective runs per step (the
   gradient part of a step with micro-batches runs once per micro-batch, on a 1/k slice
-  of the batch: k times as many ops, the same bytes).
+  of the batch: k times as many ops, the same bytes). ``axes_of(node, axes)``: the mesh
+  axes a node's collective really runs over (inside a ``shard_map``, not its manual ones).
   """
   combining = cost_model.combining
   sizes = cost_model.axis_sizes
   at_node = defaultdict(list)
   for k, (kind, axes, nbytes) in graph.collectives(choice, cost_model):
+    axes = axes_of(k, axes)
     if math.prod(sizes[a] for a in axes) > 1:
       at_node[k].append((kind, tuple(axes), nbytes))
   out: dict[str, dict[str, float]] = {}

@@ -35,17 +35,9 @@ from jaxdist.shard.solver import MemoryConstraint, Solution, solve_ilp
 from jaxdist.shard.specs import (DimAxes, divides, enumerate_specs, from_partition_spec,
                                  num_shards, to_partition_spec)
 from jaxdist.shard.strategies import ELEMENTWISE, nbytes
-from jaxdist.grad import GRAD
 from jaxdist.trace import BATCH, OPTIMIZER, PARAM, TracedStep
 
 MEMORY_CHECK_POINTS = 8
-# Between a gradient's producing dot or sum and the gradient marker: additions, casts,
-# reshapes and the pads that transpose slices (walked freely), and sums of sums.
-GRADIENT_PLUMBING = frozenset("add_any add convert_element_type reshape transpose squeeze "
-                              "expand_dims broadcast_in_dim pad concatenate".split())
-SUM_PLUMBING = frozenset("reshape squeeze expand_dims convert_element_type reduce_sum".split())
-# Between the loss's final sum and the marker: the mean's division, casts, reshapes.
-VALUE_PLUMBING = frozenset("div mul convert_element_type reshape squeeze".split())
 log = logging.getLogger("jaxdist.plan")
 
 
@@ -203,8 +195,7 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep,
                   f"the lowest predicted step time of {len(shapes)} shapes searched"))
   layout = layout_of(step, best, k)
   if k > 1:
-    predicted = combine.predict(best.graph, best.solution.choice, best.cost_model,
-                                _micro_batch_repeats(step, best.graph, layout.batch_axes, k))
+    predicted = _micro_batch_predictions(step, best, layout, k)
     notes.append(f"num_micro_batches={k}: the gradient part's collectives run {k} times (on "
                  f"1/{k} of the batch each); gradients are reduced once, after the loop")
   if regions is not None:
@@ -241,44 +232,71 @@ def _loop_notes(jaxpr, origins: list) -> list[str]:
   return notes
 
 
-def _micro_batch_repeats(step: TracedStep, graph: StrategyGraph, batch_axes, k: int):
-  """``repeat`` for :func:`combine.predict` with ``k`` micro-batches: a collective of an
-  equation the gradients depend on runs once per micro-batch, except the reduction of
-  gradients over the batch axes (accumulated locally, reduced once after the loop)."""
+def _micro_batch_predictions(step: TracedStep, plan: MeshPlan, layout: Layout, k: int):
+  """Predicted collectives per step with ``k`` micro-batches (``jaxdist.accumulate``).
+
+  The gradient part runs per micro-batch inside a ``shard_map`` that is manual over the
+  batch axes: its collectives over the other axes run once per micro-batch (k times as
+  many ops, the same bytes), and none runs over the batch axes there. Instead each marked
+  value (gradients, loss, aux) is reduced over the batch axes once, after the loop:
+  an all-reduce of the device's part, or a reduce-scatter where the layout keeps the
+  gradient split over the batch axes. The apply part runs once.
+  """
   jaxpr = step.closed_jaxpr.jaxpr
+  graph, choice, cost_model = plan.graph, plan.solution.choice, plan.cost_model
   marker = jaxpr.eqns[step.marker_index]
   looped = {id(jaxpr.eqns[i]) for i in jaxpr_util.needed_eqns(jaxpr, marker.invars)}
-  # The equations making the gradients and the loss (a weight gradient's dot, a bias
-  # gradient's sum, the loss's sum, and what lies between them and the marker): XLA
-  # keeps their partial sums unreduced through the loop and reduces once after it.
-  producer = {v: e for e in jaxpr.eqns for v in e.outvars}
-  making = set()
-  todo = [(v, GRADIENT_PLUMBING if kind == GRAD else VALUE_PLUMBING)
-          for v, kind in zip(marker.invars, marker.params["kinds"])
-          if not isinstance(v, jex.Literal)]
-  while todo:
-    v, through = todo.pop()
-    e = producer.get(v)
-    if e is None or id(e) in making:
-      continue
-    making.add(id(e))
-    name = e.primitive.name
-    if name == "reduce_sum" or (through is SUM_PLUMBING and name in SUM_PLUMBING):
-      through = SUM_PLUMBING  # a sum: follow only sums of sums
-    elif name not in through:
-      continue
-    todo += [(u, through) for u in e.invars if not isinstance(u, jex.Literal)]
-  batch = set(batch_axes)
+  batch = set(layout.batch_axes)
+  sizes = cost_model.axis_sizes
+  shards = math.prod(sizes[a] for a in batch)
+  inside = lambda node: graph.nodes[node].eqn is not None and id(graph.nodes[node].eqn) in looped
 
-  def repeat(node, kind, axes):
-    eqn = graph.nodes[node].eqn
-    if eqn is None or id(eqn) not in looped:
-      return 1
-    if kind in ("all-reduce", "reduce-scatter") and (id(eqn) in making or set(axes) <= batch):
-      return 1
-    return k
+  def kept(node):
+    """Mesh axes the node's strategy (or its operands' producers, for a resharding into
+    it) still splits a dim over on one device's micro-batch: inside the region a
+    constraint keeps an axis only where it divides the dim, and a dim split over a batch
+    axis shrinks k x batch shards."""
+    node = graph.nodes[node]
+    strategy = node.strategies[choice[node.group]]
+    have = [graph.spec_of(v, choice) if _produced(v, graph) else None for v in node.eqn.invars]
+    out = set()
+    for specs, atoms in ((strategy.in_specs, node.eqn.invars), (have, node.eqn.invars),
+                         (strategy.out_specs, node.eqn.outvars)):
+      for spec, v in zip(specs, atoms):
+        for size, axes in zip(getattr(v.aval, "shape", ()), spec or ()):
+          if any(a in batch for a in axes):
+            size //= k * shards
+          rest = [a for a in axes if a not in batch]
+          if rest and size % math.prod(sizes[a] for a in rest) == 0:
+            out.update(rest)
+    return out
 
-  return repeat
+  def axes_of(node, axes):
+    if not inside(node):
+      return axes
+    here = kept(node)
+    return tuple(a for a in axes if a in here)
+
+  predicted = combine.predict(
+      graph, choice, cost_model, repeat=lambda node, kind, axes: k if inside(node) else 1,
+      axes_of=axes_of)
+  reductions = {}
+  for v, spec in zip(marker.invars, layout.grad_reduce_specs):
+    if isinstance(v, jex.Literal) or not _produced(v, graph) or shards == 1:
+      continue
+    local = tuple(tuple(a for a in axes if a not in batch) for axes in graph.spec_of(v, choice))
+    nbytes_ = nbytes(v) / num_shards(local, sizes)
+    kind = "all-reduce" if spec is None else "reduce-scatter"
+    reductions.setdefault(kind, []).append(nbytes_ if spec is None else nbytes_ / shards)
+  combining = cost_model.combining
+  for kind, sizes_ in reductions.items():
+    count = (max(1, math.ceil(sum(sizes_) / combining.threshold_bytes),
+                 math.ceil(len(sizes_) / combining.threshold_count))
+             if kind in combining.kinds else len(sizes_))
+    entry = predicted.setdefault(kind, {"count": 0, "result_bytes": 0.0})
+    entry["count"] += count
+    entry["result_bytes"] += sum(sizes_)
+  return predicted
 
 
 def communication_seconds(plan: MeshPlan) -> float:
