@@ -62,8 +62,12 @@ def _assert_predicted_as_compiled(exe):
     (lambda: _lm(models.GPT), (8,), UNIT),
     (lambda: _lm(models.BERT), (2, 4), TWO_LEVEL),
     (lambda: _lm(models.MoELM), (2, 4), {}),
+    # Its plans reshard a head-split value onto batch and sequence at once, which XLA does
+    # by gathering it whole, and move two axes between dims in one all-to-all.
+    (lambda: _lm(models.MoELM, config=models.GPTConfig(vocab=1024, width=256, heads=8, depth=2,
+                                                       seq_len=64)), (4, 2), {}),
 ], ids=["mlp-8-h100", "mlp-2x4-unit", "gpt-2x4-default", "gpt-8-unit", "bert-2x4-two-level",
-        "moe-2x4-default"])
+        "moe-2x4-default", "moe-4x2-default"])
 def test_predicted_collectives_match_the_compiled_module(workload, shape, costs):
   step, state, batch = workload()
   exe = jd.parallelize(step, method=jd.ShardParallel(devices=_mesh(shape, costs))).get_executable(
@@ -268,3 +272,27 @@ def test_jaxdist_plan_command_prints_predicted_and_compiled(capsys):
   assert code == 0 and result["mesh_shape"] == [2, 4] and result["alpha"] == [2e-5, 1e-5]
   assert {k: v["count"] for k, v in result["predicted"].items()} == {
       k: v["count"] for k, v in result["compiled"].items()}
+
+
+def test_resharding_follows_what_xla_emits():
+  """The collectives a resharding costs, as XLA's partitioner emits them (each case was
+  a wrong prediction on a compiled plan: MoE on 4x2, the GPT on the two-level mesh)."""
+  from jaxdist.shard.cost import CostModel
+
+  cost = CostModel(jd.LogicalMesh((2, 4)))
+  full = 8 * 2**20
+  a, b = "mesh_0", "mesh_1"
+  # Both axes move to one other dim together: one all-to-all over both.
+  assert cost.reshard_collectives(((a, b), ()), ((), (a, b)), full) == [
+      ("all-to-all", (a, b), full / 8)]
+  # They move to two dims at once: XLA gathers the value whole (a full rematerialization).
+  assert cost.reshard_collectives(((), (a, b)), ((a,), (b,)), full) == [
+      ("all-gather", (a, b), full)]
+  # Gathered together: one all-gather over both.
+  assert cost.reshard_collectives(((a, b), ()), ((), ()), full) == [("all-gather", (a, b), full)]
+  # A dim split 2 ways re-split 4 ways over the other axis: each new shard lies in one
+  # old shard, so one device sends it.
+  assert cost.reshard_collectives(((a,), ()), ((b,), ()), full) == [
+      ("collective-permute", (a, b), full / 4)]
+  # Gathered before the new split is sliced: the all-gather's result is the whole value.
+  assert cost.reshard_collectives(((a,), ()), ((), (b,)), full) == [("all-gather", (a,), full)]

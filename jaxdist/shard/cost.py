@@ -122,6 +122,10 @@ class CostModel:
     n, alpha, beta = self._group(axes)
     return 0.0 if n == 1 else alpha + beta * (n - 1) * nbytes
 
+  def collective_permute(self, axes, nbytes: float) -> float:
+    n, alpha, beta = self._group(axes)
+    return 0.0 if n == 1 else alpha + beta * nbytes
+
   def all_to_all(self, axes, nbytes: float) -> float:
     n, alpha, beta = self._group(axes)
     return 0.0 if n == 1 else alpha + beta * (n - 1) / n * nbytes
@@ -143,7 +147,12 @@ class CostModel:
     all-to-all if ``dst`` uses that axis elsewhere, else an all-gather), and every
     ``dst`` axis after it that the tensor was not split on is a local slice (free).
     So ``(a, b) → (a,)`` gathers over ``b`` only, while ``(a, b) → (b,)`` gathers over
-    both (XLA logs that as an "involuntary full rematerialization").
+    both (XLA logs that as an "involuntary full rematerialization"). Axes released from
+    one dimension that all move to one other dimension move in one all-to-all over them
+    together, and those it gathers in one all-gather over them together (or, where each
+    new shard of the dimension lies within one old shard, ``(a,) → (b,)`` with ``b``
+    splitting it as finely, a collective-permute); moving to several dimensions at once is beyond XLA's all-to-all resharding:
+    it gathers them (an involuntary full rematerialization too).
     """
     if src == dst:
       return []
@@ -155,8 +164,25 @@ class CostModel:
       keep = 0
       while keep < min(len(s_axes), len(d_axes)) and s_axes[keep] == d_axes[keep]:
         keep += 1
-      for axis in s_axes[keep:]:
-        out.append(("all-to-all" if axis in where_dst else "all-gather", (axis,), per_device))
+      released = s_axes[keep:]
+      moving = tuple(a for a in released if a in where_dst)
+      if len({where_dst[a] for a in moving}) > 1:
+        others = math.prod(sizes[a] for axes in src for a in axes if a not in released)
+        out.append(("all-gather", released, full_bytes / others))
+        continue
+      if len(moving) > 1:
+        out.append(("all-to-all", moving, per_device))
+      else:
+        out += [("all-to-all", (a,), per_device) for a in moving]
+      gathered = tuple(a for a in released if a not in where_dst)
+      added = tuple(a for a in d_axes[keep:] if not any(a in axes for axes in src))
+      if gathered and added and (math.prod(sizes[a] for a in added)
+                                 % math.prod(sizes[a] for a in gathered) == 0):
+        # Every new shard lies within one old shard: one device sends it.
+        out.append(("collective-permute", gathered + added, per_device))
+      elif gathered:  # gathered before any new split is sliced out of it
+        kept = math.prod(sizes[a] for axes in src for a in axes if a not in gathered)
+        out.append(("all-gather", gathered, full_bytes / kept))
     return out
 
   def collective(self, kind: str, axes, nbytes: float) -> float:
@@ -168,6 +194,8 @@ class CostModel:
       seconds = self.all_to_all(axes, nbytes) if self.allow_all_to_all else DISALLOWED_S
     elif kind == "reduce-scatter":
       seconds = self.reduce_scatter(axes, nbytes)
+    elif kind == "collective-permute":
+      seconds = self.collective_permute(axes, nbytes)
     else:
       seconds = self.all_reduce(axes, nbytes)
     if kind in self.combining.kinds and seconds < DISALLOWED_S:
