@@ -3,7 +3,8 @@ them (model and nnx.Optimizer split into one state, jd.value_and_grad over the p
 a pipeline boundary inside the model) under every method, against the serial step: losses
 and the whole new state within 1e-5 (cross-device summation order). SGD with momentum:
 Adam's first step turns the summation noise of a zero gradient (attention's key bias)
-into ±learning rate. examples/moe.py: expert parallelism from the preset."""
+into ±learning rate. examples/moe.py: expert parallelism from the preset.
+examples/equinox_mlp.py: an equinox model's arrays as the state, every method's losses."""
 
 import importlib.util
 import os
@@ -18,15 +19,15 @@ import jaxdist as jd
 HERE = os.path.dirname(__file__)
 
 
-def _example():
+def _example(name):
   spec = importlib.util.spec_from_file_location(
-      "nnx_gpt", os.path.join(HERE, "..", "examples", "nnx_gpt.py"))
+      name, os.path.join(HERE, "..", "examples", f"{name}.py"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
 
 
-nnx_gpt = _example()
+nnx_gpt = _example("nnx_gpt")
 CONFIG = dict(vocab=128, width=32, heads=4, depth=2, seq_len=16)
 
 
@@ -52,10 +53,7 @@ def test_nnx_gpt_matches_serial(name):
 def test_moe_example_expert_parallel_matches_serial():
   """examples/moe.py's expert-parallel method: experts split over the model axis, tokens
   moved by all-to-all, the first step equal to serial."""
-  spec = importlib.util.spec_from_file_location(
-      "moe_example", os.path.join(HERE, "..", "examples", "moe.py"))
-  moe = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(moe)
+  moe = _example("moe")
   from jaxdist import models
 
   model = models.MoELM(moe.CONFIG, num_experts=8)
@@ -68,3 +66,24 @@ def test_moe_example_expert_parallel_matches_serial():
   assert abs(float(got["loss"]) - float(want["loss"])) <= 1e-5
   assert tuple(new_state.params["params"]["block_0"]["MoE_0"]["w_in"].sharding.spec) == ("model",)
   assert "all-to-all" in step.get_executable(new_state, batch).communication()
+
+
+equinox_mlp = _example("equinox_mlp")
+
+
+@pytest.mark.parametrize("name", list(equinox_mlp.METHODS))
+def test_equinox_example_matches_serial(name):
+  """An equinox MLP (arrays partitioned from the rest) under each method of the example:
+  two steps' losses and the new parameters equal serial's."""
+  params, static, opt_state, batch = equinox_mlp.make()
+  serial = jax.jit(equinox_mlp.make_step(static))
+  step = jd.parallelize(equinox_mlp.make_step(static, jd.value_and_grad),
+                        method=equinox_mlp.METHODS[name], batch_argnums=(2,))
+  got_params, _, got_opt, _ = equinox_mlp.make()  # a copy: the step donates what it updates
+  for _ in range(2):
+    params, opt_state, want = serial(params, opt_state, batch)
+    got_params, got_opt, got = step(got_params, got_opt, batch)
+    assert abs(float(got) - float(want)) <= 1e-6
+  want_params = params
+  for a, b in zip(jax.tree.leaves(got_params), jax.tree.leaves(want_params)):
+    assert jnp.abs(a - b).max() <= 1e-5
