@@ -218,7 +218,7 @@ def _loop_notes(jaxpr, origins: list) -> list[str]:
   places them."""
   kept = [e for e in jaxpr.eqns if e.primitive.name in ("scan", "while", "cond")]
   notes = []
-  if any(o is not None and o[0] != "eqn" for o in origins):
+  if any(o is not None and (o[0] != "eqn" or len(o[1]) > 1) for o in origins):
     notes.append(f"scans of at most {jaxpr_util.MAX_UNROLLED_SCAN} iterations are unrolled "
                  f"for planning: each iteration is planned (identical iterations share one "
                  f"solution)")
