@@ -441,3 +441,21 @@ def test_scanned_layers_are_planned_inside():
   assert not any("DIFFERS" in line for line in exe.check_communication()), (
       exe.check_communication())
   assert_trees_close(f(state, batch), jax.jit(step)(state, batch), rtol=1e-4, atol=1e-5)
+
+
+def test_scan_iterations_planned_differently_compile_unrolled():
+  """Without tying, the ILP may give a scan's iterations different (equally cheap) plans
+  (HiGHS does here, on 2x4): the step then compiles unrolled, still equal to serial and
+  predicted as compiled; if they agree it compiles as a loop."""
+  step, state, batch = _scan_gpt_step()
+  f = jd.parallelize(step, method=jd.ShardParallel(
+      logical_mesh_shape=(2, 4), auto_sharding_option=jd.AutoShardingOption(
+          share_repeated_layers=False, plan_cache=False)))
+  exe = f.get_executable(state, batch)
+  notes = " ".join(exe.plan.notes)
+  differ = "planned differently" in notes
+  assert differ != ("compile as loops" in notes), notes
+  assert (" while(" in exe.get_hlo_text()) != differ, notes
+  assert not any("DIFFERS" in line for line in exe.check_communication()), (
+      exe.check_communication())
+  assert_trees_close(f(state, batch), jax.jit(step)(state, batch), rtol=1e-4, atol=1e-5)

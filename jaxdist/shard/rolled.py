@@ -65,8 +65,8 @@ def roll(closed: jex.ClosedJaxpr, origins: list, eqn_constraints: dict,
       elif kind == "out" and origin[0] == "ys":
         put(("ys", origin[1][::2], origin[2]), table[index][0], origin[1])
   except _Differ as e:
-    return (f"iterations of the scan at {e.args[0][:1]} are planned differently, so the step "
-            f"compiles with that scan unrolled")
+    return (f"iterations of the scan at equation {e.args[0][0]} are planned differently, so "
+            f"the step compiles with its scans unrolled")
   return Rolled(closed, out, frozenset(scans))
 
 
