@@ -148,11 +148,12 @@ class CostModel:
     ``dst`` axis after it that the tensor was not split on is a local slice (free).
     So ``(a, b) → (a,)`` gathers over ``b`` only, while ``(a, b) → (b,)`` gathers over
     both (XLA logs that as an "involuntary full rematerialization"). Axes released from
-    one dimension that all move to one other dimension move in one all-to-all over them
-    together, and those it gathers in one all-gather over them together (or, where each
-    new shard of the dimension lies within one old shard, ``(a,) → (b,)`` with ``b``
-    splitting it as finely, a collective-permute); moving to several dimensions at once is beyond XLA's all-to-all resharding:
-    it gathers them (an involuntary full rematerialization too).
+    one dimension that all move to one other dimension go in one all-to-all over them
+    together; those it gathers, in one all-gather over them together, of the value before
+    any new split is sliced out (or, where each new shard of the dimension lies within
+    one old shard, as in ``(a,) → (b,)`` with ``b`` splitting it as finely, in one
+    collective-permute). Axes moving to several dimensions at once are beyond XLA's
+    all-to-all resharding: it gathers them (a full rematerialization too).
     """
     if src == dst:
       return []
