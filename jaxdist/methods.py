@@ -269,6 +269,11 @@ class PipeshardParallel(Method):
       sub-mesh sizes, see ``jaxdist.pipeline.stages``), a :class:`UniformStageOption` or a
       :class:`ManualStageOption`.
     pipeline_schedule: ``"1f1b"`` or ``"gpipe"``.
+    virtual_stages: Megatron's interleaved 1F1B when > 1: the stages are this many model
+      chunks on each of ``num_stages / virtual_stages`` device groups (stage ``c`` on group
+      ``c mod groups``), cutting the bubble to ``(groups − 1) / (virtual_stages ·
+      num_micro_batches)`` at the price of more micro-batches in flight. Needs uniform
+      stages, ``"1f1b"`` and micro-batches divisible by the number of groups.
     max_pipeline_bubble_ratio: for ``"auto"``, nnScaler's cap on the number of stages
       ``s <= floor(b / (1 - b) * num_micro_batches + 1)``; None: no cap.
     max_pipeline_unbalance_ratio: for ``"auto"``, nnScaler's balance bound ``r`` in
@@ -288,6 +293,7 @@ class PipeshardParallel(Method):
   default_auto_sharding_option: AutoShardingOption | None = None
   max_pipeline_bubble_ratio: float | None = None
   max_pipeline_unbalance_ratio: float | None = None
+  virtual_stages: int = 1
 
   def _validate(self):
     Method._validate(self)
@@ -316,6 +322,16 @@ class PipeshardParallel(Method):
       raise errors.InvalidArgumentError(
           f"PipeshardParallel(pipeline_schedule={self.pipeline_schedule!r}) is not a known "
           f"schedule; valid: {', '.join(map(repr, SCHEDULES))}.")
+    v = self.virtual_stages
+    if not isinstance(v, int) or v < 1:
+      raise errors.InvalidArgumentError(
+          f"PipeshardParallel(virtual_stages={v!r}) must be an integer >= 1.")
+    if v > 1 and (self.pipeline_schedule != "1f1b" or not (
+        self.stage_option == "uniform" or isinstance(self.stage_option, UniformStageOption))):
+      raise errors.InvalidArgumentError(
+          f"PipeshardParallel(virtual_stages={v}) interleaves uniform stages under 1F1B; got "
+          f"pipeline_schedule={self.pipeline_schedule!r}, stage_option={self.stage_option!r}. "
+          f"Use pipeline_schedule='1f1b' with stage_option='uniform' or UniformStageOption.")
 
 
 @_options

@@ -274,6 +274,20 @@ def test_the_recommended_method_runs_and_matches_serial(config, kind):
   assert_trees_close(got, expected, rtol=1e-4, atol=1e-6)
 
 
+def test_interleaved_stages_become_virtual_stages():
+  """pp=2 with virtual_stages=2: PipeshardParallel with four uniform stages on two device
+  groups (its run is tested in test_pipeline.py), nothing folded away."""
+  spec = ModelSpec(num_layers=4, hidden_size=32, num_heads=4, vocab_size=128, seq_len=16)
+  e = evaluate(spec, Cluster(8), ParallelConfig(dp=4, pp=2, virtual_stages=2), global_batch_size=16)
+  assert e.valid, e.problems
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    method = e.method(layer_module="Block")
+  assert (method.virtual_stages, method.stage_option.num_stages) == (2, 4)
+  assert method.num_micro_batches % 2 == 0
+  assert "virtual_stages=2" in jd.advise.python_code(e)
+
+
 def test_what_jaxdist_cannot_run_is_folded_with_a_warning():
   state, batch, spec = _tiny_gpt()
   e = evaluate(spec, Cluster(8), ParallelConfig(dp=4, cp=2), global_batch_size=16, seq_len=16)

@@ -102,6 +102,25 @@ def _two_stage_step(grad_fn, pass_on):
   return step
 
 
+def test_interleaved_stages_share_device_groups_and_match_serial():
+  """virtual_stages=2: four stages (model chunks) on two groups of four devices, stage c on
+  group c mod 2, run by interleaved 1F1B: equal to serial, bubble (p - 1) / (v m)."""
+  make, batch = _gpt()
+  method = jd.PipeshardParallel(num_micro_batches=4, stage_option=jd.UniformStageOption(
+      num_stages=4), virtual_stages=2)
+  step = jd.parallelize(models.lm_step(jd.value_and_grad), method=method)
+  expected = to_host(jax.jit(models.lm_step())(make(), batch))
+  assert_trees_close(to_host(step(make(), batch)), expected, rtol=1e-5, atol=1e-6)
+  exe = step.get_executable(make(), batch)
+  groups = [frozenset(d.id for d in st.mesh.devices) for st in exe.stages]
+  assert groups[0] == groups[2] and groups[1] == groups[3] and not groups[0] & groups[1]
+  assert len(groups[0]) == 4
+  busy = 2 * 2 * 4  # each group: v * m forwards and as many backwards
+  assert (exe.schedule.num_clocks - 1 - busy) / busy == (2 - 1) / (2 * 4)
+  with pytest.raises(errors.InvalidArgumentError, match="virtual_stages=2"):
+    jd.PipeshardParallel(virtual_stages=2, pipeline_schedule="gpipe")
+
+
 @pytest.mark.parametrize("pass_on,k,per_device", [
     (lambda w, h: w.T * 2.0, 4, True),        # a parameter passed on: its cotangent summed
     (lambda w, h: jnp.diag(h.mean(0)), 1, False),  # a batch statistic: stays on its plan

@@ -10,8 +10,9 @@ preset of ``strategies/presets`` and the ZeRO stage as planner options; pipelini
 PipeshardParallel with ``pp`` uniform stages of ``(dp, tp)`` sub-meshes. Gradient
 accumulation over the configuration's micro-batches becomes ``num_micro_batches``; full
 recomputation ``recompute_modules=<layer module>`` (``"ROOT"`` when not given), selective
-the attention module. What jaxdist cannot express (context parallelism, interleaved
-virtual stages) is folded into data parallelism / plain 1F1B with a note.
+the attention module; interleaved virtual stages → ``virtual_stages`` (``pp`` device
+groups of ``virtual_stages`` stages each). What jaxdist cannot express (context
+parallelism) is folded into data parallelism with a note.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ def method_spec(e, *, layer_module: str | None = None,
   if c.cp > 1:
     notes.append(f"jaxdist has no context parallelism: cp={c.cp} runs as {c.cp}x more data "
                  f"parallelism (dp={dp}); activations per device grow by cp")
-  if c.virtual_stages > 1:
-    notes.append(f"jaxdist's 1F1B is not interleaved: virtual_stages={c.virtual_stages} runs as 1")
+  if c.virtual_stages > 1 and c.pp == 1:
+    notes.append(f"virtual_stages={c.virtual_stages} without pipelining (pp=1) has no effect")
   m = c.num_micro_batches(e.global_batch_size)
   recompute = {"none": None, "full": layer_module or "ROOT", "selective": attention_module}[c.recompute]
   kwargs: dict[str, Any] = {"num_micro_batches": m if m > 1 else None,
@@ -69,9 +70,11 @@ def method_spec(e, *, layer_module: str | None = None,
   alpha, beta = (span_data[0], span_model[0]), (1 / span_data[1], 1 / span_model[1])
   if c.pp > 1:
     kwargs["num_micro_batches"] = m
+    if c.virtual_stages > 1:  # interleaved 1F1B: pp device groups, virtual_stages chunks each
+      kwargs["virtual_stages"] = c.virtual_stages
     return MethodSpec("PipeshardParallel", kwargs, mesh=(dp, c.tp), alpha=alpha, beta=beta,
                       preset=PRESET_OF["tp"] if c.tp > 1 else None, sharding=sharding,
-                      stages=c.pp, notes=tuple(notes))
+                      stages=c.pp * c.virtual_stages, notes=tuple(notes))
   if model_axis == 1:
     cls = {0: "DataParallel", 1: "Zero2Parallel", 2: "Zero2Parallel", 3: "Zero3Parallel"}[c.zero_stage]
     return MethodSpec(cls, kwargs, notes=tuple(notes))

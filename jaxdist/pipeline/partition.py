@@ -170,24 +170,30 @@ def _stage_layout(method: m.PipeshardParallel, num_layers: int, lmesh: LogicalMe
           f"ManualStageOption(submesh_shapes={opt.submesh_shapes!r}): need one shape per stage "
           f"({len(ids)}) whose device counts add up to the {n} devices.")
     return [(s[0], s[-1] + 1) for s in ids], sizes, [tuple(s) for s in shapes]
+  v = method.virtual_stages  # stages per device group (interleaved 1F1B)
   num_stages = opt.num_stages if isinstance(opt, m.UniformStageOption) else None
   if num_stages is None:  # as many as possible: the most equal sub-meshes, one layer or more each
-    num_stages = max(d for d in range(1, min(n, num_layers) + 1) if n % d == 0)
+    num_stages = v * max(d for d in range(1, max(1, min(n, num_layers // v)) + 1) if n % d == 0)
   if num_stages > num_layers:
     raise errors.InvalidArgumentError(
         f"PipeshardParallel: {num_stages} stages but only {num_layers} layers; use at most "
         f"{num_layers} stages or more layers.")
-  if n % num_stages:
+  if num_stages % v:
     raise errors.InvalidArgumentError(
-        f"PipeshardParallel: {num_stages} equal sub-meshes do not tile the {n} devices; use a "
-        f"number of stages that divides {n}, or ManualStageOption.")
+        f"PipeshardParallel(virtual_stages={v}): {num_stages} stages do not make {v} chunks "
+        f"per device group; use a number of stages divisible by {v}.")
+  groups = num_stages // v
+  if n % groups:
+    raise errors.InvalidArgumentError(
+        f"PipeshardParallel: {groups} equal sub-meshes do not tile the {n} devices; use a "
+        f"number of stages (over virtual_stages) that divides {n}, or ManualStageOption.")
   shape = opt.submesh_shape if isinstance(opt, m.UniformStageOption) else None
-  if shape is not None and math.prod(shape) != n // num_stages:
+  if shape is not None and math.prod(shape) != n // groups:
     raise errors.InvalidArgumentError(
         f"UniformStageOption(submesh_shape={shape!r}) has {math.prod(shape)} devices, but "
-        f"{num_stages} stages on {n} devices have {n // num_stages} each.")
+        f"{groups} sub-meshes of {n} devices have {n // groups} each.")
   bounds = [round(i * num_layers / num_stages) for i in range(num_stages + 1)]
-  return (list(zip(bounds, bounds[1:])), [n // num_stages] * num_stages,
+  return (list(zip(bounds, bounds[1:])), [n // groups] * num_stages,
           [None if shape is None else tuple(shape)] * num_stages)
 
 
@@ -238,7 +244,10 @@ def build_stages(method: m.PipeshardParallel, loss: capture.CapturedLoss, lmesh:
     ranges, sizes, shapes = _stage_layout(method, len(starts), lmesh)
   devices = list(lmesh.devices)
   stages, offset = [], 0
-  for (first, last), size, shape in zip(ranges, sizes, shapes):
+  groups = len(ranges) // method.virtual_stages  # interleaved: stage c on group c mod groups
+  for c, ((first, last), size, shape) in enumerate(zip(ranges, sizes, shapes)):
+    if method.virtual_stages > 1:
+      offset = (c % groups) * size
     stages.append(make_stage(loss, starts, first, last, devices[offset:offset + size], lmesh))
     stages[-1].mesh_shape = shape
     offset += size

@@ -271,7 +271,8 @@ class PipelineExecutable:
     self.stages, starts, predicted = build_stages(
         method, loss, lmesh, state_factor, functools.partial(self._program_cost, option))
     self._predicted = predicted
-    self.schedule: Schedule = make_schedule(method.pipeline_schedule, len(self.stages), k)
+    self.schedule: Schedule = make_schedule(method.pipeline_schedule, len(self.stages), k,
+                                            method.virtual_stages)
     self._full = NamedSharding(lmesh.mesh, PartitionSpec())
     self._compiling = compile
     if not compile:
