@@ -48,6 +48,18 @@ def test_tiny_suites_run_and_match_serial(suite, methods, tmp_path):
   assert table[0]["model"] == f"{suite}-tiny"
 
 
+def test_a_row_for_the_method_tune_picks():
+  """``--tune SECONDS``: jd.tune walks the model's candidates for that long (here only its
+  first, DataParallel, starts) and its pick runs as an automatic row."""
+  rows = bench_run.run(["gpt"], "tiny", ["ILP"], num_devices=8, repeat=1, show=False,
+                       tune_budget_s=1e-3)
+  tuned = [r for r in rows if r.method.startswith(bench_run.TUNED)]
+  assert len(rows) == 2 and len(tuned) == 1, [r.method for r in rows]
+  r = tuned[0]
+  assert r.method == "jd.tune's pick: DataParallel" and r.kind == "auto"
+  assert r.status == "ok" and r.matches_serial and r.projected_h100_s > 0
+
+
 def test_unknown_sizes_and_suites_are_typed_errors():
   with pytest.raises(errors.InvalidArgumentError, match=r"size='huge'.*tiny, small"):
     workload("gpt", "huge")

@@ -22,6 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--no-scaling", action="store_true", help="skip the 1/2/4/8-device GPT runs")
   p.add_argument("--no-plots", action="store_true")
   p.add_argument("--json", action="store_true", help="print the rows as JSON")
+  p.add_argument("--tune", type=float, default=None, metavar="SECONDS",
+                 help="add a row per model for jd.tune's pick within SECONDS of its walk")
   p.add_argument("--readme", default=None,
                  help="also write this run's table and plots as markdown (bench/README.md)")
 
@@ -43,7 +45,7 @@ def main(args) -> int:
     rows = bench_run.run(suites, args.size,
                          args.methods.split(",") if args.methods else None,
                          args.devices, args.repeat, scaling=not args.no_scaling,
-                         show=not args.json)
+                         show=not args.json, tune_budget_s=args.tune)
   except errors.JaxdistError as e:
     print(f"jaxdist bench: {e}", file=sys.stderr)
     return 2

@@ -160,15 +160,18 @@ def run_method(w: Workload, name: str, kind: str, method, devices, repeat: int,
 
 def run(suites: list[str], size: str = "tiny", method_names: list[str] | None = None,
         num_devices: int | None = None, repeat: int = 3, scaling: bool = False,
-        show: bool = True) -> list[Row]:
+        show: bool = True, tune_budget_s: float | None = None) -> list[Row]:
   """Every (model, method) row of ``suites`` at ``size``; with ``scaling``, GPT also under
-  DataParallel and ShardParallel on 1, 2, 4, 8 devices."""
+  DataParallel and ShardParallel on 1, 2, 4, 8 devices; with ``tune_budget_s``, a row per
+  model for the method ``jd.tune`` picks in that many seconds of its walk."""
   devices = device_list(num_devices)
   plan = []
   for suite in suites:
     w = workload(suite, size)
     chosen = [(n, k, m) for n, k, m in methods(w, devices)
               if not method_names or any(s.lower() in n.lower() for s in method_names)]
+    if tune_budget_s is not None:
+      chosen.append((TUNED, "auto", tune_budget_s))
     plan += [(w, devices, c) for c in chosen]
     if scaling and suite == "gpt":
       for count in (1, 2, 4, 8):
@@ -186,12 +189,32 @@ def run(suites: list[str], size: str = "tiny", method_names: list[str] | None = 
         serial = float(np.asarray(jax.jit(w.step)(state, w.batch)[1]["loss"]))
         reference[w.name] = (serial, model_flops(w, state), params)
       serial, flops, params = reference[w.name]
+      if name == TUNED:
+        name, method = tuned(w, devs, method, repeat)
       row = run_method(w, name, kind, method, devs, repeat, serial, flops, params)
       rows.append(row)
       if show:
         _print_row(row)
       bar.advance()
   return rows
+
+
+TUNED = "jd.tune's pick"
+
+
+def tuned(w: Workload, devices, budget_s: float, repeat: int):
+  """(row name, method) of the fastest trial of ``jd.tune``'s walk on this machine within
+  ``budget_s`` seconds, its ShardParallel candidates costed as the suites' H100 mesh
+  (DataParallel if nothing ran)."""
+  import jaxdist as jd
+  from jaxdist.bench.suites import h100_mesh
+
+  report = jd.tune(w.step, w.make_state(), w.batch, steps=repeat, time_budget_s=budget_s,
+                   progress=False, devices=h100_mesh(devices))
+  best = report.best_trial
+  if best is None:
+    return f"{TUNED}: none ran, DataParallel", jd.DataParallel(devices=h100_mesh(devices))
+  return f"{TUNED}: {best.name}", best.method
 
 
 def _print_row(r: Row) -> None:

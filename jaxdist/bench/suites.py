@@ -135,6 +135,15 @@ def _size_error(suite, size):
       f"size={size!r} is not a size of the {suite} suite; valid: {', '.join(valid[suite])}.")
 
 
+def h100_mesh(devices: list):
+  """The devices as a 1-D logical mesh with an H100 node's link costs and reached flops
+  (what every method of the suites plans with)."""
+  import jaxdist as jd
+
+  return jd.LogicalMesh((len(devices),), alpha=H100_NODE["alpha"], beta=H100_NODE["beta"],
+                        peak_flops=H100_NODE["reached_flops"], devices=tuple(devices))
+
+
 def methods(w: Workload, devices: list) -> list[tuple[str, str, Any]]:
   """(name, "hand" | "auto", method) for a workload on ``devices``."""
   import jaxdist as jd
@@ -143,7 +152,7 @@ def methods(w: Workload, devices: list) -> list[tuple[str, str, Any]]:
   n = len(devices)
   costs = dict(alpha=H100_NODE["alpha"], beta=H100_NODE["beta"],
                peak_flops=H100_NODE["reached_flops"], devices=tuple(devices))
-  flat = jd.LogicalMesh((n,), **costs)
+  flat = h100_mesh(devices)
   out = [("DataParallel", "hand", jd.DataParallel(devices=flat)),
          ("ZeRO-2", "hand", jd.Zero2Parallel(devices=flat)),
          ("ZeRO-3 (FSDP)", "hand", jd.Zero3Parallel(devices=flat))]
