@@ -120,3 +120,23 @@ def test_jaxdist_estimate_command(capsys, tmp_path):
                                    "temporaries", "batch"}
   with pytest.raises(errors.InvalidArgumentError, match="returning"):
     cli.main(["estimate", "nofile:make_step"])
+
+
+def test_interleaved_stages_are_estimated_per_device_group():
+  """virtual_stages=2: stages 0 and 2 (1 and 3) share a device group, which holds both
+  stages' state and in-flight inputs at once: more than any single stage's peak."""
+  config = models.GPTConfig(vocab=256, width=32, heads=4, depth=4, seq_len=32,
+                            mark_boundaries=True)
+  batch = models.token_batch(32, config)
+  state = models.create_state(models.GPT(config), batch["tokens"][:, :-1],
+                              tx=optax.sgd(0.1, momentum=0.9))
+  est = jd.estimate(models.lm_step(jd.value_and_grad), state, batch, method=jd.PipeshardParallel(
+      num_micro_batches=4, stage_option=jd.UniformStageOption(num_stages=4), virtual_stages=2))
+  per_stage = [st.memory_per_device for st in est.stages]
+  assert len(per_stage) == 4 and est.memory_per_device > max(per_stage)
+  state_of = lambda st: (st.breakdown["params"] + st.breakdown["optimizer"]
+                         + st.breakdown["grads"] + st.held_bytes)
+  for d in (0, 1):
+    group = est.stages[d::2]
+    assert est.memory_per_device >= sum(state_of(st) for st in group)
+  assert any("interleaved" in note for note in est.notes)

@@ -6,6 +6,17 @@ from jaxdist import errors
 from jaxdist.pipeline.schedule import BACKWARD, FORWARD, UPDATE, make_schedule
 
 
+def _assert_dependencies(at, n, m):
+  """A forward after the stage before's; a backward after the stage after's (the last
+  stage: after its own forward)."""
+  for s in range(n):
+    for b in range(m):
+      if s > 0:
+        assert at[FORWARD, s, b] > at[FORWARD, s - 1, b]
+      dep = (BACKWARD, s + 1, b) if s < n - 1 else (FORWARD, s, b)
+      assert at[BACKWARD, s, b] > at[dep]
+
+
 @pytest.mark.parametrize("name", ["1f1b", "gpipe"])
 @pytest.mark.parametrize("stages,micro_batches", [(1, 1), (2, 4), (4, 4), (4, 8), (3, 2), (8, 3)])
 def test_schedule_clocks_dependencies_and_in_flight(name, stages, micro_batches):
@@ -14,12 +25,8 @@ def test_schedule_clocks_dependencies_and_in_flight(name, stages, micro_batches)
   assert sched.num_clocks == 2 * (n + m - 1) + 1  # Alpa's clock count
   at = {(i.kind, i.stage, i.micro_batch): i.clock for i in sched.instructions}
   assert len(at) == 2 * n * m + n  # every pass once, one update per stage
+  _assert_dependencies(at, n, m)
   for s in range(n):
-    for b in range(m):
-      if s > 0:
-        assert at[FORWARD, s, b] > at[FORWARD, s - 1, b]
-      dep = (BACKWARD, s + 1, b) if s < n - 1 else (FORWARD, s, b)
-      assert at[BACKWARD, s, b] > at[dep]
     clocks = [i.clock for i in sched.stage_order(s)]
     assert clocks == sorted(set(clocks))  # one instruction per stage per clock
     assert sched.stage_order(s)[-1].kind == UPDATE
@@ -49,12 +56,7 @@ def test_interleaved_one_f_one_b_bubble(groups, virtual, micro_batches):
   sched = make_schedule("1f1b", n, m, virtual_stages=v)
   at = {(i.kind, i.stage, i.micro_batch): i.clock for i in sched.instructions}
   assert len(at) == 2 * n * m + n
-  for s in range(n):
-    for b in range(m):
-      if s > 0:
-        assert at[FORWARD, s, b] > at[FORWARD, s - 1, b]
-      dep = (BACKWARD, s + 1, b) if s < n - 1 else (FORWARD, s, b)
-      assert at[BACKWARD, s, b] > at[dep]
+  _assert_dependencies(at, n, m)
   for d in range(p):  # a group's chunks share its devices: one pass per clock
     clocks = [i.clock for i in sched.instructions if i.stage % p == d and i.kind != UPDATE]
     assert len(clocks) == len(set(clocks)) == 2 * v * m

@@ -85,6 +85,19 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
   compute = sum(st.compute_s for st in stages) + (k - 1) * slowest.compute_s
   communication = (sum(st.communication_s for st in stages)
                    + (k - 1) * slowest.communication_s)
+  memory, breakdown = peak.memory_per_device, dict(peak.breakdown)
+  v = method.virtual_stages
+  if v > 1:  # interleaved: stages c, c + p, ... share group c mod p's devices
+    p = len(stages) // v
+    groups = [stages[d::p] for d in range(p)]
+    # A group holds all its stages' state and in-flight inputs, and runs one program at a time.
+    held = lambda st: sum(st.breakdown[key] for key in STATE) + st.held_bytes
+    memory = max(sum(held(st) for st in g) + max(st.memory_per_device - held(st) for st in g)
+                 for g in groups)
+    busy = max(groups, key=lambda g: sum(st.seconds_per_micro_batch for st in g))
+    compute = k * sum(st.compute_s for st in busy) + (p - 1) * slowest.compute_s
+    communication = k * sum(st.communication_s for st in busy) + (p - 1) * slowest.communication_s
+    breakdown = {key: sum(st.breakdown[key] for st in busy) for key in breakdown}
   collectives: dict = {}
   for est in estimates:
     for kind, c in est.collectives.items():
@@ -94,7 +107,10 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
   notes = [f"stage {st.index}: layers {st.layers[0]}..{st.layers[1] - 1} on {st.num_devices} "
            f"devices as {st.mesh_shape}, {st.max_in_flight} micro-batches in flight"
            for st in stages]
-  notes += [f"memory_per_device and breakdown are stage {peak.index}'s (the largest); "
+  notes += [(f"memory_per_device and breakdown are stage {peak.index}'s (the largest)"
+             if v == 1 else f"interleaved ({v} stages per device group): memory_per_device is "
+             f"the fullest group's (its stages' state and in-flight inputs together, plus its "
+             f"largest program); time is its busiest group's k passes plus the bubble") + "; "
             f"transfers between stages and the update programs' temporaries are not counted",
             *estimates[0].notes[-1:]]
   plan = Plan(method=method.name, mesh_shape=exe._lmesh.shape, axis_names=exe._lmesh.axis_names,
@@ -105,11 +121,15 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
   compiled = None
   if compiled_exe is not None:
     compiled = _compiled_peaks(compiled_exe, stages, slices)
-  return Estimate(method.name, peak.memory_per_device, dict(peak.breakdown),
+  return Estimate(method.name, memory, breakdown,
                   compute + communication, compute, communication, collectives, plan,
                   tuple(notes), compiled, sum(e.flops for e in estimates) * k,
                   sum(e.bytes_accessed for e in estimates) * k,
                   any(e.approximate for e in estimates), tuple(stages))
+
+
+# What a stage keeps on its devices between its programs.
+STATE = ("params", "optimizer", "grads")
 
 
 def _per_device_parts(pd) -> dict[str, float]:

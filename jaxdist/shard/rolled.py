@@ -48,30 +48,20 @@ def roll(closed: jex.ClosedJaxpr, origins: list, eqn_constraints: dict,
       path = origin[1][::2]
       scans.update(path[:n] for n in range(1, len(path) + (origin[0] != "eqn")))
 
-  def put(key, specs, where):
-    if out.setdefault(key, specs) != specs:
-      raise _Differ(where)
-
-  try:
-    for index, table, kind in [(i, eqn_constraints, "out") for i in eqn_constraints] + [
-        (i, operand_constraints, "in") for i in operand_constraints]:
-      origin = origins[index]
-      if origin is None:
-        continue
-      if origin[0] == "eqn":
-        put((kind, origin[1][::2]), table[index], origin[1])
-      elif kind == "out" and origin[0] == "xs":
-        put(("xs", origin[1][::2], origin[3]), table[index][0], origin[1])
-      elif kind == "out" and origin[0] == "ys":
-        put(("ys", origin[1][::2], origin[2]), table[index][0], origin[1])
-  except _Differ as e:
-    return (f"iterations of the scan at equation {e.args[0][0]} are planned differently, so "
-            f"the step compiles with its scans unrolled")
+  entries = [(i, eqn_constraints[i], "out") for i in eqn_constraints] + [
+      (i, operand_constraints[i], "in") for i in operand_constraints]
+  for index, specs, kind in entries:
+    origin = origins[index]
+    if origin is None or (kind == "in" and origin[0] != "eqn"):
+      continue
+    path = origin[1][::2]
+    key = ((kind, path) if origin[0] == "eqn" else
+           (origin[0], path, origin[3] if origin[0] == "xs" else origin[2]))
+    value = specs if origin[0] == "eqn" else specs[0]
+    if out.setdefault(key, value) != value:
+      return (f"iterations of the scan at equation {origin[1][0]} are planned differently, "
+              f"so the step compiles with its scans unrolled")
   return Rolled(closed, out, frozenset(scans))
-
-
-class _Differ(Exception):
-  pass
 
 
 def rolled_fn(rolled: Rolled, mesh):
