@@ -20,7 +20,8 @@ from jaxdist.executable import Executable, allocation_bytes, compile_layout, mak
 from jaxdist.layouts import data_parallel_layout
 from jaxdist.mesh import LogicalMesh
 from jaxdist.pipeline import capture
-from jaxdist.pipeline.runtime import PipelineExecutable
+from jaxdist.pipeline import spmd
+from jaxdist.pipeline.runtime import PipelineExecutable, loss_equation
 from jaxdist.recompute import RecomputeRequest, recomputing
 from jaxdist.shard.planner import plan_shard_parallel
 from jaxdist.trace import is_array, leaf_signature, trace_step, with_micro_batch_trace
@@ -346,7 +347,22 @@ class ParallelizedFunc:
         return with_micro_batch_trace(self.fun, args, static, step, divisor,
                                       jaxpr_util.CALLS).micro_jaxpr
 
-    return PipelineExecutable(self.method, step, lmesh, dyn_argnums, retrace, compile)
+    index = loss_equation(step.closed_jaxpr.jaxpr)
+    why_not = None
+    if compile and self.method.runtime != "mpmd":
+      built = spmd.build(self.method, step, lmesh, index, dyn_argnums, retrace)
+      if not isinstance(built, str):
+        return built
+      if self.method.runtime == "spmd":
+        raise errors.InvalidArgumentError(
+            f"PipeshardParallel(runtime='spmd') cannot pipeline this step in one program: "
+            f"{built}. Use runtime='mpmd' (or 'auto', which falls back to it).")
+      why_not = built
+    exe = PipelineExecutable(self.method, step, lmesh, dyn_argnums, retrace, compile)
+    if why_not is not None:
+      exe.plan = dataclasses.replace(exe.plan, notes=(f"runtime mpmd: {why_not}",
+                                                      *exe.plan.notes))
+    return exe
 
   def _trace_spmd(self, args, static, request):
     """The traced step of an SPMD method (with its recomputation request applied)."""

@@ -255,6 +255,9 @@ class ManualStageOption:
   submesh_shapes: Any = None
 
 
+RUNTIMES = ("auto", "spmd", "mpmd")
+
+
 @_options
 class PipeshardParallel(Method):
   """Pipeline parallelism: the loss is cut into layers, layers into stages on sub-meshes,
@@ -273,7 +276,14 @@ class PipeshardParallel(Method):
       chunks on each of ``num_stages / virtual_stages`` device groups (stage ``c`` on group
       ``c mod groups``), cutting the bubble to ``(groups − 1) / (virtual_stages ·
       num_micro_batches)`` at the price of more micro-batches in flight. Needs uniform
-      stages, ``"1f1b"`` and micro-batches divisible by the number of groups.
+      stages, ``"1f1b"`` and micro-batches divisible by the number of groups (with
+      ``runtime="spmd"``: the circular pipeline, under ``"gpipe"``).
+    runtime: ``"mpmd"``: a driver issues per-stage programs on sub-meshes (any layers,
+      any stages). ``"spmd"``: one program over a ``(stage, data)`` mesh pipelines the
+      loss's stack of identical layers (``jaxdist.pipeline.spmd``; GPipe's order, uniform
+      stages). ``"auto"`` (default): SPMD when the schedule is ``"gpipe"`` and the layers
+      between the boundaries are identical, MPMD otherwise; the plan's notes say which
+      and why.
     max_pipeline_bubble_ratio: for ``"auto"``, nnScaler's cap on the number of stages
       ``s <= floor(b / (1 - b) * num_micro_batches + 1)``; None: no cap.
     max_pipeline_unbalance_ratio: for ``"auto"``, nnScaler's balance bound ``r`` in
@@ -294,6 +304,7 @@ class PipeshardParallel(Method):
   max_pipeline_bubble_ratio: float | None = None
   max_pipeline_unbalance_ratio: float | None = None
   virtual_stages: int = 1
+  runtime: str = "auto"
 
   def _validate(self):
     Method._validate(self)
@@ -326,12 +337,24 @@ class PipeshardParallel(Method):
     if not isinstance(v, int) or v < 1:
       raise errors.InvalidArgumentError(
           f"PipeshardParallel(virtual_stages={v!r}) must be an integer >= 1.")
-    if v > 1 and (self.pipeline_schedule != "1f1b" or not (
+    if self.runtime not in RUNTIMES:
+      raise errors.InvalidArgumentError(
+          f"PipeshardParallel(runtime={self.runtime!r}) is not a runtime; valid: "
+          f"{', '.join(map(repr, RUNTIMES))}.")
+    if self.runtime == "spmd" and self.pipeline_schedule != "gpipe":
+      raise errors.InvalidArgumentError(
+          f"PipeshardParallel(runtime='spmd', pipeline_schedule={self.pipeline_schedule!r}): "
+          f"the SPMD runtime runs GPipe's order (its backward is the forward scan reversed); "
+          f"use pipeline_schedule='gpipe', or runtime='mpmd' / 'auto' for 1F1B.")
+    schedule_ok = self.pipeline_schedule == "1f1b" or (
+        self.runtime == "spmd" and self.pipeline_schedule == "gpipe")
+    if v > 1 and (not schedule_ok or not (
         self.stage_option == "uniform" or isinstance(self.stage_option, UniformStageOption))):
       raise errors.InvalidArgumentError(
-          f"PipeshardParallel(virtual_stages={v}) interleaves uniform stages under 1F1B; got "
-          f"pipeline_schedule={self.pipeline_schedule!r}, stage_option={self.stage_option!r}. "
-          f"Use pipeline_schedule='1f1b' with stage_option='uniform' or UniformStageOption.")
+          f"PipeshardParallel(virtual_stages={v}) interleaves uniform stages under 1F1B (or, "
+          f"with runtime='spmd', GPipe); got pipeline_schedule={self.pipeline_schedule!r}, "
+          f"stage_option={self.stage_option!r}. Use pipeline_schedule='1f1b' with "
+          f"stage_option='uniform' or UniformStageOption.")
 
 
 @_options

@@ -45,6 +45,9 @@ class GPTConfig:
   seq_len: int = 64
   mark_boundaries: bool = False  # jaxdist.mark_pipeline_boundary() after embedding and blocks
   mlp_ratio: int = 4  # the MLP's hidden width over the model's (Alpa's MoE benchmark: 8)
+  # The blocks as one nn.scan over nn.remat (MaxText's layout: each weight stacked with a
+  # leading layer dim, params["blocks"]["Block_0"]); no boundaries inside.
+  scan_layers: bool = False
 
 
 class Block(nn.Module):
@@ -65,6 +68,16 @@ class Block(nn.Module):
     return x + nn.Dense(c.width)(h)
 
 
+class ScanBlock(nn.Module):
+  """A :class:`Block` as ``nn.scan`` calls it: ``(carry, x) -> (carry, None)``."""
+
+  config: GPTConfig
+
+  @nn.compact
+  def __call__(self, x, _):
+    return Block(self.config)(x), None
+
+
 def embed(module: nn.Module, c: GPTConfig, tokens):
   """Token + learned position embedding, created in ``module``'s compact scope (as
   ``Embed_0`` and ``pos_embedding``)."""
@@ -82,7 +95,10 @@ class GPT(nn.Module):
   def __call__(self, tokens):
     c = self.config
     x = embed(self, c, tokens)
-    for i in range(c.depth):
+    if c.scan_layers:
+      x, _ = nn.scan(nn.remat(ScanBlock), variable_axes={"params": 0},
+                     split_rngs={"params": True}, length=c.depth)(c, name="blocks")(x, None)
+    for i in range(0 if c.scan_layers else c.depth):
       if c.mark_boundaries:
         mark_pipeline_boundary()
       x = Block(c, name=f"block_{i}")(x)

@@ -2,7 +2,8 @@
 stages, one per process (model boundaries, 1F1B, 2 micro-batches); every process prints the
 losses of two steps (the loss is made on the last stage, process 1, and comes back readable
 on every process) and the sum of every parameter after them, gathered onto all devices
-(every process gathers; each reads its own copy)."""
+(every process gathers; each reads its own copy). Then the same two steps under the SPMD
+runtime (one program over a (2 stages, 4 data) mesh, a stage per process, GPipe)."""
 
 import json
 
@@ -32,5 +33,19 @@ gathered = exe.gather(state.params)  # every process, in the same order
 param_sums = [float(np.asarray(x.addressable_data(0)).sum()) for x in jax.tree.leaves(gathered)]
 assert all(x.sharding.device_set == set(jax.devices()) for x in jax.tree.leaves(gathered))
 stage_processes = [sorted({d.process_index for d in st.mesh.devices}) for st in exe.stages]
+state = models.create_state(models.GPT(config), batch["tokens"][:, :-1],
+                            tx=optax.sgd(0.1, momentum=0.9))
+spmd = jd.parallelize(models.lm_step(jd.value_and_grad), method=jd.PipeshardParallel(
+    num_micro_batches=2, pipeline_schedule="gpipe", runtime="spmd"))
+spmd_losses = []
+for _ in range(2):
+  state, metrics = spmd(state, batch)
+  spmd_losses.append(float(metrics["loss"]))
+replicated = jax.sharding.NamedSharding(jax.sharding.Mesh(jax.devices(), ("all",)),
+                                        jax.sharding.PartitionSpec())
+sums = jax.jit(lambda tree: [x.sum() for x in jax.tree.leaves(tree)],
+               out_shardings=replicated)(state.params)
 print("RESULT " + json.dumps({"losses": losses, "stage_processes": stage_processes,
-                              "param_sums": param_sums}))
+                              "param_sums": param_sums, "spmd_losses": spmd_losses,
+                              "spmd_param_sums": [float(x.addressable_data(0)) for x in sums],
+                              "spmd_mesh": list(spmd.get_executable(state, batch).plan.mesh_shape)}))

@@ -55,7 +55,7 @@ def test_two_process_data_parallel_matches_single_process():
     np.testing.assert_allclose(result[name]["kernel_sum"], kernel_sum, rtol=1e-5, err_msg=name)
 
 
-def test_two_process_pipeline_with_one_stage_per_process_matches_serial():
+def test_two_process_pipelines_with_one_stage_per_process_match_serial():
   # The loss is made on process 1's last stage; process 0, where training loops log,
   # reads it too.
   result, stdout = _result("pipeline_worker.py", 1)
@@ -72,9 +72,14 @@ def test_two_process_pipeline_with_one_stage_per_process_matches_serial():
   for _ in range(2):
     state, metrics = step(state, batch)
     losses.append(float(metrics["loss"]))
-  np.testing.assert_allclose(result["losses"], losses, rtol=1e-5)
   sums = [float(np.asarray(x).sum()) for x in jax.tree.leaves(state.params)]
-  np.testing.assert_allclose(result["param_sums"], sums, rtol=1e-5, atol=1e-5)
+  for run in (result, first):
+    np.testing.assert_allclose(run["losses"], losses, rtol=1e-5)
+    np.testing.assert_allclose(run["param_sums"], sums, rtol=1e-5, atol=1e-5)
+    # The SPMD runtime: one program, a stage per process, the same numbers.
+    assert run["spmd_mesh"] == [2, 4]
+    np.testing.assert_allclose(run["spmd_losses"], losses, rtol=1e-5)
+    np.testing.assert_allclose(run["spmd_param_sums"], sums, rtol=1e-5, atol=1e-5)
 
 
 def test_a_failing_process_fails_the_launch():

@@ -37,7 +37,7 @@ def _gpt(mark_boundaries=True, batch_size=32):
     (jd.PipeshardParallel(num_micro_batches=4, layer_option=jd.AutoLayerOption(layer_num=4)),
      [4, 3, 2, 1]),
     (jd.PipeshardParallel(num_micro_batches=4, layer_option=jd.AutoLayerOption(layer_num=4),
-                          pipeline_schedule="gpipe"), [4, 4, 4, 4]),
+                          pipeline_schedule="gpipe", runtime="mpmd"), [4, 4, 4, 4]),
     # the stage DP chooses stages and sub-mesh sizes (on this small GPT: 1, 2, 4, 1 devices)
     (jd.PipeshardParallel(num_micro_batches=4, layer_option=jd.AutoLayerOption(layer_num=4),
                           stage_option="auto"), None),

@@ -390,31 +390,13 @@ def test_rematerialized_blocks_are_planned_inside():
   assert_trees_close(f(state, batch), expected, rtol=1e-4, atol=1e-5)
 
 
-class _ScanBlock(nn.Module):
-  config: models.GPTConfig
-
-  @nn.compact
-  def __call__(self, x, _):
-    return models.Block(self.config)(x), None
-
-
 def _scan_gpt_step(depth=3):
-  class ScanGPT(nn.Module):
-    """models.GPT with its blocks stacked by nn.scan over nn.remat (MaxText's and many
-    libraries' layout: one set of weights with a leading layer dim)."""
-    config: models.GPTConfig
-
-    @nn.compact
-    def __call__(self, tokens):
-      c = self.config
-      x = models.embed(self, c, tokens)
-      x, _ = nn.scan(nn.remat(_ScanBlock), variable_axes={"params": 0},
-                     split_rngs={"params": True}, length=c.depth)(c, name="blocks")(x, None)
-      return nn.Dense(c.vocab)(nn.LayerNorm()(x))
-
-  config = models.GPTConfig(vocab=256, width=128, heads=4, depth=depth, seq_len=16)
+  """models.GPT with its blocks stacked by nn.scan over nn.remat (MaxText's and many
+  libraries' layout: one set of weights with a leading layer dim)."""
+  config = models.GPTConfig(vocab=256, width=128, heads=4, depth=depth, seq_len=16,
+                            scan_layers=True)
   batch = models.token_batch(16, config)
-  state = models.create_state(ScanGPT(config), batch["tokens"][:, :-1],
+  state = models.create_state(models.GPT(config), batch["tokens"][:, :-1],
                               tx=optax.sgd(0.1, momentum=0.9))
   return models.lm_step(jd.value_and_grad), state, batch
 

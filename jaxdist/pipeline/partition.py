@@ -91,7 +91,7 @@ def _is_float(aval) -> bool:
   return jnp.issubdtype(aval.dtype, jnp.inexact)
 
 
-def _layer_starts(method: m.PipeshardParallel, jaxpr) -> tuple[int, ...]:
+def layer_starts(method: m.PipeshardParallel, jaxpr) -> tuple[int, ...]:
   if method.layer_option == "manual":
     return layers_mod.manual_starts(
         jaxpr, "PipeshardParallel(layer_option='manual'), in the function passed to "
@@ -234,7 +234,7 @@ def build_stages(method: m.PipeshardParallel, loss: capture.CapturedLoss, lmesh:
   programs, for ``"auto"`` (see :func:`_auto_stage_layout`).
   """
   jaxpr = loss.closed.jaxpr
-  starts = _layer_starts(method, jaxpr)
+  starts = layer_starts(method, jaxpr)
   predicted = None
   if method.stage_option == "auto":
     predicted = _auto_stage_layout(method, loss, starts, lmesh, state_factor, program_cost)

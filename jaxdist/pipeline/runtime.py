@@ -108,6 +108,28 @@ def replicate(x: jax.Array, full: NamedSharding) -> jax.Array:
   return jax.make_array_from_single_device_arrays(x.shape, full, shards, dtype=x.dtype)
 
 
+def loss_equation(jaxpr) -> int:
+  """Index of the step's one ``pipeline_loss`` equation.
+
+  Raises:
+    GradientMarkerError: the step differentiates with jaxdist.value_and_grad not exactly
+      once at its top level.
+    InvalidArgumentError: a pipeline boundary is marked outside the loss.
+  """
+  found = jaxpr_util.find_eqns(jaxpr, capture.pipeline_loss_p.name)
+  if len(found) != 1 or jaxpr_util.count_primitive(jaxpr, capture.pipeline_loss_p.name) != 1:
+    raise errors.GradientMarkerError(
+        "PipeshardParallel pipelines the function passed to jaxdist.grad / value_and_grad, "
+        "which the step must call exactly once, at its top level (jitted helpers are fine; "
+        "not inside a loop or cond). Use jaxdist.value_and_grad instead of jax's.")
+  if jaxpr_util.count_primitive(jaxpr, layers_mod.boundary_p.name):
+    raise errors.InvalidArgumentError(
+        "jaxdist.mark_pipeline_boundary() is called outside the function passed to "
+        "jaxdist.grad / value_and_grad; layer boundaries belong in the differentiated "
+        "forward pass.")
+  return found[0]
+
+
 @dataclasses.dataclass(frozen=True)
 class StageReport:
   """What one stage is and costs (``PipelineExecutable.stage_report()``).
@@ -217,20 +239,9 @@ class PipelineExecutable:
     update programs, compiling nothing (what ``jaxdist.estimate`` reads: ``stages``,
     ``schedule``, ``input_shardings``); it cannot run."""
     jaxpr = step.closed_jaxpr.jaxpr
-    found = jaxpr_util.find_eqns(jaxpr, capture.pipeline_loss_p.name)
-    if len(found) != 1 or jaxpr_util.count_primitive(jaxpr, capture.pipeline_loss_p.name) != 1:
-      raise errors.GradientMarkerError(
-          "PipeshardParallel pipelines the function passed to jaxdist.grad / value_and_grad, "
-          "which the step must call exactly once, at its top level (jitted helpers are fine; "
-          "not inside a loop or cond). Use jaxdist.value_and_grad instead of jax's.")
-    if jaxpr_util.count_primitive(jaxpr, layers_mod.boundary_p.name):
-      raise errors.InvalidArgumentError(
-          "jaxdist.mark_pipeline_boundary() is called outside the function passed to "
-          "jaxdist.grad / value_and_grad; layer boundaries belong in the differentiated "
-          "forward pass.")
     self._step, self._dyn_argnums = step, dyn_argnums
     self._retrace, self._device_losses = retrace, {}
-    self._index = found[0]
+    self._index = loss_equation(jaxpr)
     eqn = jaxpr.eqns[self._index]
     k = self._k = method.num_micro_batches or 1
     # Stages run the loss as traced at micro-batch size (shapes are baked into a jaxpr).

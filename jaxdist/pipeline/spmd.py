@@ -1,0 +1,372 @@
+"""The SPMD pipeline runtime: a stack of identical layers pipelined inside one program.
+
+For the common case of a model whose middle is a stack of identical layers (transformer
+blocks), PipeshardParallel can run the whole step as *one* jitted program over a
+``(stage, data)`` mesh, with no driver:
+
+- the stack (``stack.py``) is found in the differentiated loss; the layers before it
+  (embedding) and after it (head, loss) run as ordinary SPMD code on the whole batch,
+  split over all devices;
+- the stack's per-layer weights are stacked into ``[layers, ...]`` arrays and split
+  over the ``stage`` axis: with ``v = virtual_stages`` the layers form ``p·v`` chunks
+  and stage ``s`` holds chunks ``s, s + p, …`` (``v = 1``: one contiguous chunk);
+- inside ``jax.shard_map`` (manual over both axes) a ``lax.scan`` over clocks runs
+  every stage's chunk on the micro-batch it holds and rotates the results to the next
+  stage with ``ppermute`` (a ring: from the last stage a micro-batch goes back to stage
+  0 for its next chunk). At clock ``t`` stage ``s`` works on step ``k = t − s`` of its
+  sequence: micro-batch ``i = (k // (p·v))·p + k mod p`` at chunk ``((k mod p·v) // p)·p
+  + s``, so a micro-batch that leaves the last stage re-enters stage 0 exactly when it
+  is due. Each micro-batch is split over ``data`` (a device computes on its share);
+- JAX differentiates that program as a whole: the backward is the scan reversed, in
+  GPipe's order (all forwards, then all backwards). Each clock's chunk is rematerialized
+  (``jax.checkpoint``), so a stage keeps per clock only the activations entering it,
+  ``m·v + p − 1`` of them for ``m`` micro-batches; the bubble is ``(p − 1)/(m·v + p −
+  1)`` of the clocks. The stacked weights' gradients leave the ``shard_map`` once per
+  step: one reduction over ``data`` per step, none per micro-batch.
+
+The loss is computed on the whole batch, exactly as the single-device step computes it
+(for a mean loss the same as the mean over micro-batches). Inside the stack each device
+sees its share of a micro-batch, so an operation that couples examples there
+(BatchNorm) sees that share, as under gradient accumulation.
+
+State layout: a stacked weight (and optimizer leaves of its shape) is kept split over
+``stage`` on its first dimension that divides; the program gathers the layers into the
+stage layout and scatters the gradients back (an all-to-all each way per step), so no
+device holds the whole stack. Everything else is replicated; the batch is split over
+all devices.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxdist import jaxpr_util
+from jaxdist import methods as m
+from jaxdist.executable import Executable
+from jaxdist.layouts import Layout
+from jaxdist.mesh import LogicalMesh
+from jaxdist.pipeline import capture, layers as layers_mod
+from jaxdist.pipeline.partition import layer_starts
+from jaxdist.pipeline.stack import Stack, find_repeated_stack, find_scanned_stack, find_stack
+from jaxdist.plan import Plan, PlanEntry
+from jaxdist.trace import BATCH, OPTIMIZER, PARAM, TracedStep
+
+STAGE, DATA = "stage", "data"
+
+
+def clock_indices(k, p: int, v: int, m: int):
+  """At step ``k`` of a stage's sequence: (micro-batch, repeat) it works on, and whether
+  that is real work (``0 <= k`` and the micro-batch exists)."""
+  group, within = k // (p * v), k % (p * v)
+  micro, repeat = group * p + within % p, within // p
+  return micro, repeat, (k >= 0) & (micro < m)
+
+
+def num_clocks(p: int, v: int, m: int) -> int:
+  """Clocks until the last micro-batch leaves the last stage's last chunk."""
+  last = (m - 1) // p * p * v + (v - 1) * p + (m - 1) % p
+  return last + p
+
+
+def output_clocks(p: int, v: int, m: int) -> np.ndarray:
+  """Per micro-batch, the clock at which the last stage finishes it."""
+  return np.array([i // p * p * v + (v - 1) * p + i % p + p - 1 for i in range(m)])
+
+
+def num_stages(method: m.PipeshardParallel, stack_len: int, n: int) -> int | str:
+  """Device groups ``p`` of the SPMD pipeline (the stack makes ``p·v`` chunks), or why none."""
+  v, opt = method.virtual_stages, method.stage_option
+  if not (opt == "uniform" or isinstance(opt, m.UniformStageOption)):
+    return f"stage_option={opt!r} places stages one by one (the MPMD driver does)"
+  if isinstance(opt, m.UniformStageOption) and opt.submesh_shape is not None \
+     and len(opt.submesh_shape) != 1:
+    return f"UniformStageOption(submesh_shape={opt.submesh_shape!r}) is not 1-D"
+  if isinstance(opt, m.UniformStageOption) and opt.num_stages is not None:
+    if opt.num_stages % v:
+      return f"{opt.num_stages} stages are not {v} chunks per device group"
+    p = opt.num_stages // v
+    if n % p or stack_len % (p * v) or p < 2:
+      return (f"{p} device groups of {v} chunks do not split the {stack_len} identical layers "
+              f"and the {n} devices evenly")
+    return p
+  fits = [p for p in range(2, n + 1) if n % p == 0 and stack_len % (p * v) == 0]
+  if not fits:
+    return (f"no number of stages >= 2 divides both the {n} devices and the {stack_len} "
+            f"identical layers into {v} chunk(s) per stage")
+  return max(fits)
+
+
+def _first_divisible_dim(shape, parts: int) -> P:
+  for d, size in enumerate(shape):
+    if size % parts == 0 and size >= parts:
+      return P(*([None] * d + [STAGE]))
+  return P()
+
+
+def build(method: m.PipeshardParallel, step: TracedStep, lmesh: LogicalMesh, index: int,
+          dyn_argnums: tuple[int, ...], retrace) -> Executable | str:
+  """The step compiled as one SPMD pipeline program, or why it cannot be.
+
+  ``index``: the ``pipeline_loss`` equation's; ``retrace(divisor)``: the step's jaxpr
+  traced at 1/divisor of the batch.
+  """
+  if method.pipeline_schedule != "gpipe":
+    return (f"pipeline_schedule={method.pipeline_schedule!r} runs on the MPMD driver (the SPMD "
+            f"runtime runs GPipe's order)")
+  jaxpr = step.closed_jaxpr.jaxpr
+  eqn = jaxpr.eqns[index]
+  loss: capture.CapturedLoss = eqn.params["loss"]
+  loss_jaxpr = loss.closed.jaxpr
+  stack = None
+  marked = any(e.primitive in (layers_mod.boundary_p, layers_mod.layer_marker_p)
+               for e in loss_jaxpr.eqns)
+  if not marked:  # weights already stacked: a scan over layers
+    stack = find_scanned_stack(loss_jaxpr, loss.num_consts)
+  if stack is None and method.layer_option == "manual":
+    starts = layer_starts(method, loss_jaxpr)
+    stack = find_stack(loss_jaxpr, loss.num_consts, starts)
+    if not isinstance(stack, str) and (stack.layers[0] > 1 or stack.layers[1] < len(starts) - 1):
+      return (f"only layers {stack.layers[0]}..{stack.layers[1] - 1} of {len(starts)} are "
+              f"identical; the SPMD runtime pipelines one stack of identical layers between "
+              f"the first layer and the last")
+  elif stack is None:  # the identical layers themselves, wherever the clustering would cut
+    found = find_repeated_stack(loss_jaxpr, loss.num_consts)
+    stack = found if isinstance(found, str) else found[0]
+  if isinstance(stack, str):
+    return stack
+  n, k, v = lmesh.num_devices, method.num_micro_batches or 1, method.virtual_stages
+  p = num_stages(method, stack.num_layers, n)
+  if isinstance(p, str):
+    return p
+  d = n // p
+  batch = step.batch_size
+  if batch is None or batch % (k * d):
+    return (f"the batch ({batch}) does not split into {k} micro-batches over {d} devices per "
+            f"stage")
+  if v > 1 and k % p:
+    return (f"virtual_stages={v} needs micro-batches in multiples of the {p} stages (has {k})")
+  # Which inputs of the stack depend on the batch (they are split into micro-batches).
+  batch_mask = sum(1 << i for i, leaf in enumerate(step.inputs) if leaf.role == BATCH)
+  operand_deps = jaxpr_util.dependencies(jaxpr, len(step.inputs), eqn.invars)
+  in_mask = sum(1 << j for j, dep in enumerate(operand_deps) if dep & batch_mask)
+  inits = stack.carry_init + stack.shared_init
+  atoms = [x for x in inits if not isinstance(x, jex.Literal)]
+  deps = dict(zip(atoms, jaxpr_util.dependencies(loss_jaxpr, len(loss_jaxpr.invars), atoms)))
+  batched = [x in deps and bool(deps[x] & in_mask) for x in inits]
+  for position, (x, is_batched) in enumerate(zip(inits, batched)):
+    shape = tuple(x.aval.shape)
+    if position < len(stack.carry_init) and not is_batched:
+      return f"the stack's carried input {x} ({x.aval.str_short()}) does not depend on the batch"
+    if is_batched and (not shape or shape[0] != batch):
+      return (f"the stack's input {x} ({x.aval.str_short()}) depends on the batch but its "
+              f"dim 0 is not the batch size {batch}")
+  micro = retrace(k * d)
+  micro_eqns = [e for e in micro.jaxpr.eqns if e.primitive is capture.pipeline_loss_p]
+  local = micro_eqns[0].params["loss"].closed.jaxpr if len(micro_eqns) == 1 else None
+  if local is None or [e.primitive for e in local.eqns] != [e.primitive for e in loss_jaxpr.eqns]:
+    return "the loss traced at one device's share of a micro-batch has different equations"
+  if stack.scan is None:
+    body, consts, corr = local, {}, _correspondence(loss_jaxpr, local)
+  else:
+    closed = local.eqns[stack.scan].params["jaxpr"]
+    body, consts = closed.jaxpr, dict(zip(closed.jaxpr.constvars, closed.consts))
+    corr = _correspondence(loss_jaxpr.eqns[stack.scan].params["jaxpr"].jaxpr, body)
+  pipe = _Pipeline(stack, body, consts, corr, p, d, v, k, batched[len(stack.carry_init):])
+  return _compile(method, step, lmesh, index, loss, pipe, dyn_argnums, stack)
+
+
+def _correspondence(full, local) -> dict:
+  """Full-batch loss var -> the same var in the loss traced at a micro-batch share."""
+  out = dict(zip(full.constvars, local.constvars))
+  out.update(zip(full.invars, local.invars))
+  for a, b in zip(full.eqns, local.eqns):
+    out.update(zip(a.outvars, b.outvars))
+  return out
+
+
+class _Pipeline:
+  """The stack run as a pipelined ``shard_map`` (see the module docstring)."""
+
+  def __init__(self, stack: Stack, jaxpr, consts: dict, local: dict, p: int, d: int, v: int,
+               m: int, shared_batched: list[bool]):
+    self.stack, self.jaxpr, self.consts, self.local = stack, jaxpr, consts, local
+    self.p, self.d, self.v, self.m = p, d, v, m
+    self.shared_batched = shared_batched
+
+  def _layer(self, weights, carry, shared):
+    """One layer on one device's share of a micro-batch (the template, traced at that size)."""
+    s, loc = self.stack, self.local
+    env = dict(self.consts)
+    env.update(zip([loc[x] for x in s.weight_vars], weights))
+    env.update(zip([loc[x] for x in s.carry_in], carry))
+    env.update(zip([loc[x] for x in s.shared], shared))
+    jaxpr_util.eval_eqns(self.jaxpr, env, s.template)
+    return [jaxpr_util.read(env, x if isinstance(x, jex.Literal) else loc[x])
+            for x in s.carry_src]
+
+  def __call__(self, mesh, weights, carry, shared):
+    """The stack's outputs on the whole batch from its inputs on the whole batch."""
+    p, v, m = self.p, self.v, self.m
+    chunk = self.stack.num_layers // (p * v)
+    stacked = [w.reshape(v, p, chunk, *w.shape[1:]) for w in weights]
+    d = self.d
+    # Rows of the batch: d blocks (one per data index, as the batch is split over
+    # (data, stage)), each cut into m micro-batches; a device holds its block's share.
+    split = lambda x: x.reshape(d, m, x.shape[0] // (d * m), *x.shape[1:])
+    carry = [split(x) for x in carry]
+    shared = [split(x) if b else x for x, b in zip(shared, self.shared_batched)]
+    mb_spec = P(DATA)
+    shared_specs = [mb_spec if b else P() for b in self.shared_batched]
+    clocks = num_clocks(p, v, m)
+
+    def run_chunk(ws, repeat, x, side):
+      def one(x, w):
+        return self._layer(w, x, side), None
+      return lax.scan(one, x, [w[repeat] for w in ws])[0]
+
+    run_chunk = jax.checkpoint(run_chunk)
+
+    def body(ws, xs, sides):
+      ws = [w[:, 0] for w in ws]
+      xs = [x[0] for x in xs]
+      sides = [y[0] if b else y for y, b in zip(sides, self.shared_batched)]
+      stage = lax.axis_index(STAGE)
+      state = [jnp.zeros_like(x[0]) for x in xs]
+
+      def clock(state, t):
+        micro, repeat, _ = clock_indices(t - stage, p, v, m)
+        micro, repeat = jnp.clip(micro, 0, m - 1), jnp.clip(repeat, 0, v - 1)
+        fresh = (stage == 0) & (repeat == 0)
+        x = [jnp.where(fresh, a[micro], b) for a, b in zip(xs, state)]
+        side = [y[micro] if b else y for y, b in zip(sides, self.shared_batched)]
+        y = run_chunk(ws, repeat, x, side)
+        ring = [(j, (j + 1) % p) for j in range(p)]
+        return [lax.ppermute(a, STAGE, ring) for a in y], y
+
+      _, ys = lax.scan(clock, state, jnp.arange(clocks))
+      return [y[None] for y in ys]
+
+    ys = jax.shard_map(
+        body, mesh=mesh, in_specs=([P(None, STAGE)] * len(stacked), [mb_spec] * len(carry),
+                                   shared_specs),
+        out_specs=[P(STAGE, None, DATA)] * len(carry),
+        # The layer's equations were traced outside the shard_map, so they carry no
+        # varying-axes types; unchecked, the transpose sums the cotangents of inputs that
+        # do not mention an axis over it (the one gradient reduction).
+        check_vma=False)(stacked, carry, shared)
+    done = output_clocks(p, v, m)
+    return [y[p - 1, done].reshape(m, d, -1, *y.shape[3:]).swapaxes(0, 1)
+            .reshape(-1, *y.shape[3:]) for y in ys]
+
+
+def _loss_value_and_grad(loss: capture.CapturedLoss, stack: Stack, pipe: _Pipeline, mesh):
+  """``pipeline_loss``'s results (value, aux, gradients) with the stack pipelined."""
+  jaxpr = loss.closed.jaxpr
+  num_aux = loss.kinds.count(capture.AUX)
+  batch_spec = NamedSharding(mesh, P((DATA, STAGE)))
+
+  def forward(consts, diff):
+    operands = [*consts, *diff]
+    env = dict(zip(jaxpr.invars, operands))
+    jaxpr_util.eval_eqns(jaxpr, env, range(stack.start))
+    weights = ([jnp.stack([operands[j] for j in per_layer]) for per_layer in stack.weights]
+               or [env[x] for x in stack.stacked])
+    outs = pipe(mesh, weights, [env[x] for x in stack.carry_init],
+                [jaxpr_util.read(env, x) for x in stack.shared_init])
+    # The head runs on the whole batch, split over every device.
+    outs = [lax.with_sharding_constraint(o, batch_spec) if o.shape[0] % mesh.size == 0 else o
+            for o in outs]
+    env.update(zip(stack.carry_out, outs))
+    jaxpr_util.eval_eqns(jaxpr, env, range(stack.end, len(jaxpr.eqns)))
+    results = [jaxpr_util.read(env, x) for x in jaxpr.outvars]
+    return results[0], results[1:1 + num_aux]
+
+  def value_and_grad(*operands):
+    consts, diff = operands[:loss.num_consts], list(operands[loss.num_consts:])
+    (value, aux), grads = jax.value_and_grad(
+        lambda d: forward(consts, d), has_aux=True)(diff)
+    return [value, *aux, *grads]
+
+  return value_and_grad
+
+
+def _compile(method, step: TracedStep, lmesh: LogicalMesh, index: int,
+             loss: capture.CapturedLoss, pipe: _Pipeline, dyn_argnums, stack: Stack):
+  import time
+
+  start = time.perf_counter()
+  smesh = LogicalMesh((pipe.p, pipe.d), axis_names=(STAGE, DATA), devices=tuple(lmesh.devices),
+                      alpha=max(lmesh.alpha), beta=max(lmesh.beta), peak_flops=lmesh.peak_flops)
+  mesh = smesh.mesh
+  jaxpr = step.closed_jaxpr.jaxpr
+  eqn = jaxpr.eqns[index]
+  value_and_grad = _loss_value_and_grad(loss, stack, pipe, mesh)
+  # Layouts: stacked weights (and optimizer leaves shaped like them) split over stage.
+  position = {var: i for i, var in enumerate(jaxpr.invars)}
+  operand = {x: j for j, x in enumerate(loss.closed.jaxpr.invars)}
+  weight_operands = ([j for per_layer in stack.weights for j in per_layer]
+                     or [operand[x] for x in stack.stacked if x in operand])
+  stacked_inputs = {position[eqn.invars[j]] for j in weight_operands if eqn.invars[j] in position}
+  stacked_shapes = {step.inputs[i].shape for i in stacked_inputs}
+  n = pipe.p * pipe.d
+  in_specs = []
+  for i, leaf in enumerate(step.inputs):
+    if leaf.role == BATCH:
+      in_specs.append(P((DATA, STAGE)) if leaf.shape and leaf.shape[0] % n == 0 else
+                      P(DATA) if leaf.shape and leaf.shape[0] % pipe.d == 0 else P())
+    elif i in stacked_inputs or (leaf.role in (PARAM, OPTIMIZER) and leaf.shape in stacked_shapes):
+      in_specs.append(_first_divisible_dim(leaf.shape, pipe.p))
+    else:
+      in_specs.append(P())
+  out_specs = [P() if src is None else in_specs[src] for src in step.output_source]
+
+  def run(*leaves):
+    env = dict(zip(jaxpr.constvars, step.closed_jaxpr.consts))
+    env.update(zip(jaxpr.invars, leaves))
+    jaxpr_util.eval_eqns(jaxpr, env, range(index))
+    outs = value_and_grad(*[jaxpr_util.read(env, x) for x in eqn.invars])
+    env.update(zip(eqn.outvars, outs))
+    jaxpr_util.eval_eqns(jaxpr, env, range(index + 1, len(jaxpr.eqns)))
+    return tuple(jaxpr_util.read(env, x) for x in jaxpr.outvars)
+
+  in_shardings = tuple(NamedSharding(mesh, s) for s in in_specs)
+  donated = tuple(i for i, leaf in enumerate(step.inputs) if leaf.argnum in step.donated_argnums)
+  jitted = jax.jit(run, in_shardings=in_shardings,
+                   out_shardings=tuple(NamedSharding(mesh, s) for s in out_specs),
+                   donate_argnums=donated)
+  args = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s)
+          for leaf, s in zip(step.inputs, in_shardings)]
+  lowered_at = time.perf_counter()
+  lowered = jitted.lower(*args)
+  compiling_at = time.perf_counter()
+  compiled = lowered.compile()
+  timings = {"trace_s": 0.0, "plan_s": lowered_at - start,
+             "lower_s": compiling_at - lowered_at, "compile_s": time.perf_counter() - compiling_at}
+  p, v, k = pipe.p, pipe.v, pipe.m
+  clocks = num_clocks(p, v, k)
+  notes = (
+      f"runtime spmd: {stack.source} (loss equations {stack.start}..{stack.end - 1}); they "
+      f"run as a pipeline of "
+      f"{p} stages x {v} chunk(s) of {stack.num_layers // (p * v)} layer(s) over a "
+      f"({p}, {pipe.d}) (stage, data) mesh, the rest on all devices",
+      f"schedule gpipe in one program: {clocks} clocks for {k} micro-batches, bubble "
+      f"{(p - 1) / clocks:.3f} of the clocks",
+      f"per layer: {len(stack.weight_vars)} weight(s) "
+      f"({'stacked by the scan' if stack.scan is not None else 'stacked in the program'}), "
+      f"{len(stack.carry_in)} carried value(s), {len(stack.shared)} shared",
+  )
+  layout = Layout(logical_mesh=smesh, in_specs=tuple(in_specs), out_specs=tuple(out_specs),
+                  out_constraints=(None,) * len(out_specs), notes=notes, num_micro_batches=k,
+                  batch_axes=(STAGE, DATA))
+  plan = Plan(method=method.name, mesh_shape=smesh.shape, axis_names=smesh.axis_names,
+              inputs=tuple(PlanEntry(leaf.path, leaf.shape, str(leaf.dtype), leaf.role, spec)
+                           for leaf, spec in zip(step.inputs, in_specs)),
+              num_micro_batches=k, notes=notes)
+  return Executable(step, layout, compiled, plan, dyn_argnums, timings)
