@@ -226,12 +226,16 @@ class _Pipeline:
     shared_specs = [mb_spec if b else P() for b in self.shared_batched]
     clocks = num_clocks(p, v, m)
 
-    def run_chunk(ws, repeat, x, side):
+    def chunk_forward(ws, repeat, x, side):
       def one(x, w):
         return self._layer(w, x, side), None
       return lax.scan(one, x, [w[repeat] for w in ws])[0]
 
-    run_chunk = jax.checkpoint(run_chunk)
+    # A stage idle at this clock (the bubble) skips its chunk (each device branches on its
+    # own predicate); the chunk is rematerialized in the backward pass, so a clock's
+    # residuals are its inputs.
+    run_chunk = jax.checkpoint(lambda real, ws, repeat, x, side: lax.cond(
+        real, chunk_forward, lambda ws, repeat, x, side: x, ws, repeat, x, side))
 
     def body(ws, xs, sides):
       ws = [w[:, 0] for w in ws]
@@ -241,12 +245,12 @@ class _Pipeline:
       state = [jnp.zeros_like(x[0]) for x in xs]
 
       def clock(state, t):
-        micro, repeat, _ = clock_indices(t - stage, p, v, m)
+        micro, repeat, real = clock_indices(t - stage, p, v, m)
         micro, repeat = jnp.clip(micro, 0, m - 1), jnp.clip(repeat, 0, v - 1)
         fresh = (stage == 0) & (repeat == 0)
         x = [jnp.where(fresh, a[micro], b) for a, b in zip(xs, state)]
         side = [y[micro] if b else y for y, b in zip(sides, self.shared_batched)]
-        y = run_chunk(ws, repeat, x, side)
+        y = run_chunk(real, ws, repeat, x, side)
         ring = [(j, (j + 1) % p) for j in range(p)]
         return [lax.ppermute(a, STAGE, ring) for a in y], y
 
