@@ -349,8 +349,23 @@ class ParallelizedFunc:
 
     index = loss_equation(step.closed_jaxpr.jaxpr)
     why_not = None
+    if not compile and self.method.runtime != "mpmd":  # which runtime a compile would use
+      planned = spmd.plan(self.method, step, lmesh, index, retrace)
+      if not isinstance(planned, str):
+        exe = PipelineExecutable(self.method, step, lmesh, dyn_argnums, retrace, compile)
+        exe.spmd_runtime = True
+        return exe
     if compile and self.method.runtime != "mpmd":
-      built = spmd.build(self.method, step, lmesh, index, dyn_argnums, retrace)
+      try:
+        built = spmd.build(self.method, step, lmesh, index, dyn_argnums, retrace)
+      except errors.JaxdistError:
+        raise
+      except Exception as e:  # our shortfall: the driver still runs the step correctly
+        if self.method.runtime == "spmd":
+          raise
+        built = f"the SPMD runtime failed on this step ({type(e).__name__}: {e})"
+        warnings.warn(f"PipeshardParallel: {built}; running it on the MPMD driver.",
+                      errors.JaxdistWarning, stacklevel=3)
       if not isinstance(built, str):
         return built
       if self.method.runtime == "spmd":

@@ -172,6 +172,9 @@ def test_runtime_choice_and_errors():
   # auto: SPMD under GPipe, the MPMD driver for 1F1B (the plan says why)
   auto = step(jd.PipeshardParallel(num_micro_batches=4, pipeline_schedule="gpipe"))
   assert auto.get_executable(make(), batch).plan.notes[0].startswith("runtime spmd")
+  # The estimator models the driver's pipeline and says so where SPMD would run.
+  est = jd.estimate(auto, make(), batch)
+  assert est.approximate and "SPMD pipeline runtime" in est.notes[0], est.notes
   mpmd = step(jd.PipeshardParallel(num_micro_batches=4)).get_executable(make(), batch)
   assert mpmd.plan.notes[0] == ("runtime mpmd: pipeline_schedule='1f1b' runs on the MPMD driver "
                                 "(the SPMD runtime runs GPipe's order)")

@@ -143,6 +143,7 @@ def test_the_guide_walks_every_stage_in_order(monkeypatch):
                   "PipeshardParallel(layers=4, stages=2, k=4)",
                   "PipeshardParallel(layers=4, stages=4, k=4)",
                   "PipeshardParallel(layers=4, stages=auto, k=4)",
+                  "PipeshardParallel(spmd, k=4)",
                   "PipeshardParallel(layers=4, stages=4, k=8)"]
   assert len(report.trials) == len(seen)
   # A forward pass with 2 matrix multiplications is not cut into 4 layers.

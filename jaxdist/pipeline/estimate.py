@@ -23,6 +23,7 @@ moving activations between sub-meshes is not counted.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -42,13 +43,18 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
   """The estimate of ``func`` (a PipeshardParallel step) on ``args``; see the module
   docstring. ``compile=True`` also compiles the step and puts XLA's figure for each
   stage's backward program beside the estimate (and the step's in ``compiled``)."""
-  from jaxdist.api import Planned
+  from jaxdist.api import ParallelizedFunc, Planned
   method = func.method
   exe = func.planned_stages(*args)
   k = method.num_micro_batches or 1
   in_flight = exe.schedule.max_in_flight()
   loss_jaxpr = exe._loss.closed.jaxpr
-  compiled_exe = func.get_executable(*args) if compile else None
+  compiled_exe = None
+  if compile:  # the program the estimate models: the driver's, also where SPMD would run
+    target = func if not exe.spmd_runtime else ParallelizedFunc(
+        func.fun, dataclasses.replace(method, runtime="mpmd"), func.static_argnums,
+        func.donate_argnums, func.batch_argnums)
+    compiled_exe = target.get_executable(*args)
   slices = _batch_slices(exe)
   stages, estimates = [], []
   for s, st in enumerate(exe.stages):
@@ -113,6 +119,10 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
              f"largest program); time is its busiest group's k passes plus the bubble") + "; "
             f"transfers between stages and the update programs' temporaries are not counted",
             *estimates[0].notes[-1:]]
+  if exe.spmd_runtime:
+    notes.insert(0, "approximate: compiled, this step takes the SPMD pipeline runtime (one "
+                 "program over a (stage, data) mesh; see the executable's plan notes); these "
+                 "figures model the same method on the MPMD driver (runtime='mpmd')")
   plan = Plan(method=method.name, mesh_shape=exe._lmesh.shape, axis_names=exe._lmesh.axis_names,
               inputs=tuple(PlanEntry(leaf.path, leaf.shape, str(leaf.dtype), leaf.role, home.spec)
                            for leaf, home in zip(exe._step.inputs, exe._input_homes)),
@@ -125,7 +135,7 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
                   compute + communication, compute, communication, collectives, plan,
                   tuple(notes), compiled, sum(e.flops for e in estimates) * k,
                   sum(e.bytes_accessed for e in estimates) * k,
-                  any(e.approximate for e in estimates), tuple(stages))
+                  exe.spmd_runtime or any(e.approximate for e in estimates), tuple(stages))
 
 
 # What a stage keeps on its devices between its programs.

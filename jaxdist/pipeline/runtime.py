@@ -286,6 +286,7 @@ class PipelineExecutable:
                                             method.virtual_stages)
     self._full = NamedSharding(lmesh.mesh, PartitionSpec())
     self._compiling = compile
+    self.spmd_runtime = False  # planned only: the compile would take the SPMD runtime
     if not compile:
       for stage in self.stages:
         self._plan_backward(stage, option)

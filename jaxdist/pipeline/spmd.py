@@ -117,6 +117,16 @@ def build(method: m.PipeshardParallel, step: TracedStep, lmesh: LogicalMesh, ind
   ``index``: the ``pipeline_loss`` equation's; ``retrace(divisor)``: the step's jaxpr
   traced at 1/divisor of the batch.
   """
+  pipe = plan(method, step, lmesh, index, retrace)
+  if isinstance(pipe, str):
+    return pipe
+  loss = step.closed_jaxpr.jaxpr.eqns[index].params["loss"]
+  return _compile(method, step, lmesh, index, loss, pipe, dyn_argnums, pipe.stack)
+
+
+def plan(method: m.PipeshardParallel, step: TracedStep, lmesh: LogicalMesh, index: int,
+         retrace) -> "_Pipeline | str":
+  """The SPMD pipeline of the step (nothing compiled), or why there is none."""
   if method.pipeline_schedule != "gpipe":
     return (f"pipeline_schedule={method.pipeline_schedule!r} runs on the MPMD driver (the SPMD "
             f"runtime runs GPipe's order)")
@@ -178,8 +188,7 @@ def build(method: m.PipeshardParallel, step: TracedStep, lmesh: LogicalMesh, ind
     closed = local.eqns[stack.scan].params["jaxpr"]
     body, consts = closed.jaxpr, dict(zip(closed.jaxpr.constvars, closed.consts))
     corr = _correspondence(loss_jaxpr.eqns[stack.scan].params["jaxpr"].jaxpr, body)
-  pipe = _Pipeline(stack, body, consts, corr, p, d, v, k, batched[len(stack.carry_init):])
-  return _compile(method, step, lmesh, index, loss, pipe, dyn_argnums, stack)
+  return _Pipeline(stack, body, consts, corr, p, d, v, k, batched[len(stack.carry_init):])
 
 
 def _correspondence(full, local) -> dict:

@@ -121,7 +121,7 @@ def _num_devices(devices) -> int:
 def _guide_size(devices) -> int:
   shapes = candidate_shapes(_num_devices(devices))
   return (3 + len(shapes) + len(load_presets()) * sum(len(s) == 2 for s in shapes)
-          + len(MICRO_BATCHES) + len(PIPELINES) + 1)
+          + len(MICRO_BATCHES) + len(PIPELINES) + 2)
 
 
 def _guide(walk, devices):
@@ -174,6 +174,11 @@ def _guide(walk, devices):
           f"need at least {layers}")))
       continue
     yield name, method
+  # The SPMD runtime on the step's stack of identical layers, if it has one (one program,
+  # GPipe order; skipped with the reason otherwise).
+  yield f"PipeshardParallel(spmd, k={PIPELINE_MICRO_BATCHES})", m.PipeshardParallel(
+      devices=devices, num_micro_batches=PIPELINE_MICRO_BATCHES, pipeline_schedule="gpipe",
+      runtime="spmd", layer_option=AutoLayerOption(layer_num=2))
   pipelines = [t for t in walk.trials
                if isinstance(t.method, m.PipeshardParallel) and t.status == "ok"]
   if pipelines:
@@ -187,7 +192,9 @@ def _name(method) -> str:
   name = type(method).__name__
   if isinstance(method, m.ShardParallel) and method.logical_mesh_shape:
     name += f"({'x'.join(map(str, method.logical_mesh_shape))})"
-  if isinstance(method, m.PipeshardParallel) and isinstance(method.layer_option, AutoLayerOption):
+  if isinstance(method, m.PipeshardParallel) and method.runtime == "spmd":
+    name += "(spmd)"
+  elif isinstance(method, m.PipeshardParallel) and isinstance(method.layer_option, AutoLayerOption):
     stages = method.stage_option
     stages = stages.num_stages if isinstance(stages, m.UniformStageOption) else stages
     name += f"(layers={method.layer_option.layer_num}, stages={stages})"
@@ -267,8 +274,10 @@ class _Walk:
     est_bytes = est_time = None
     func = ParallelizedFunc(self.fun, method, *self.argnums)
     # A pipeline's estimate plans its stages (a fifth to a third of its compile): made
-    # only where it can save the compile, under a budget.
-    if not isinstance(method, m.PipeshardParallel) or budget is not None:
+    # only where it can save the compile, under a budget; the estimator does not model
+    # the SPMD pipeline runtime.
+    pipeline = isinstance(method, m.PipeshardParallel)
+    if not pipeline or (budget is not None and method.runtime != "spmd"):
       try:
         est = estimate(func, *self.args)
         est_bytes, est_time = est.memory_per_device, est.step_time_s
