@@ -166,6 +166,42 @@ def test_stage_memory_holds_only_the_in_flight_inputs():
   assert temp[8] - temp[4] <= 4 * extra_clocks * carry_bytes, temp
 
 
+def test_per_example_inputs_aux_and_weights_cast_before_the_stack():
+  """Each block reads a per-example scale from the batch (split with its micro-batch), the
+  parameters are cast to bf16 and back before the stack (the layers read values computed
+  before it, stacked in the program), and the loss has aux outputs (float and int)."""
+  rng = np.random.default_rng(0)
+  normal = lambda *shape: jnp.asarray(rng.normal(size=shape) / np.sqrt(shape[0]), jnp.float32)
+  params = {"w_in": normal(16, 32), "w_out": normal(32, 8),
+            "blocks": [{"up": normal(32, 64), "down": normal(64, 32)} for _ in range(4)]}
+  batch = {"x": normal(64, 16), "y": normal(64, 8),
+           "scale": jnp.asarray(rng.uniform(size=(64,)), jnp.float32)}
+
+  def make(value_and_grad):
+    def loss_fn(params, x, y, scale):
+      p = jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(jnp.float32), params)
+      h = x @ p["w_in"]
+      for blk in p["blocks"]:
+        jd.mark_pipeline_boundary()
+        h = h + (jnp.tanh(h @ blk["up"]) @ blk["down"]) * scale[:, None]
+      jd.mark_pipeline_boundary()
+      err = (h @ p["w_out"] - y) ** 2
+      return jnp.mean(err), {"max": err.max(), "over_one": jnp.sum(err > 1.0)}
+
+    def step(params, batch):
+      (loss, aux), grads = value_and_grad(loss_fn, has_aux=True)(
+          params, batch["x"], batch["y"], batch["scale"])
+      return jax.tree.map(lambda w, g: w - 0.1 * g, params, grads), (loss, aux)
+    return step
+
+  expected = jax.jit(make(jax.value_and_grad))(params, batch)
+  step = jd.parallelize(make(jd.value_and_grad), donate_argnums=(), method=jd.PipeshardParallel(
+      num_micro_batches=4, pipeline_schedule="gpipe", runtime="spmd"))
+  assert_trees_close(step(params, batch), expected, rtol=1e-5, atol=1e-6)
+  assert ("per layer: 2 weight(s) (stacked in the program), 1 carried value(s), 1 shared"
+          in step.get_executable(params, batch).plan.notes)
+
+
 def test_runtime_choice_and_errors():
   make, batch = _gpt()
   step = lambda method: jd.parallelize(models.lm_step(jd.value_and_grad), method=method)

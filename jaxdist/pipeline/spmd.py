@@ -167,9 +167,12 @@ def plan(method: m.PipeshardParallel, step: TracedStep, lmesh: LogicalMesh, inde
   operand_deps = jaxpr_util.dependencies(jaxpr, len(step.inputs), eqn.invars)
   in_mask = sum(1 << j for j, dep in enumerate(operand_deps) if dep & batch_mask)
   inits = stack.carry_init + stack.shared_init
-  atoms = [x for x in inits if not isinstance(x, jex.Literal)]
+  per_layer = [x for xs in stack.weights for x in xs] + list(stack.stacked)
+  atoms = [x for x in (*inits, *per_layer) if not isinstance(x, jex.Literal)]
   deps = dict(zip(atoms, jaxpr_util.dependencies(loss_jaxpr, len(loss_jaxpr.invars), atoms)))
   batched = [x in deps and bool(deps[x] & in_mask) for x in inits]
+  if any(deps[x] & in_mask for x in per_layer if x in deps):
+    return "a per-layer input of the stack depends on the batch"
   for position, (x, is_batched) in enumerate(zip(inits, batched)):
     shape = tuple(x.aval.shape)
     if position < len(stack.carry_init) and not is_batched:
@@ -289,7 +292,7 @@ def _loss_value_and_grad(loss: capture.CapturedLoss, stack: Stack, pipe: _Pipeli
     operands = [*consts, *diff]
     env = dict(zip(jaxpr.invars, operands))
     jaxpr_util.eval_eqns(jaxpr, env, range(stack.start))
-    weights = ([jnp.stack([operands[j] for j in per_layer]) for per_layer in stack.weights]
+    weights = ([jnp.stack([env[x] for x in per_layer]) for per_layer in stack.weights]
                or [env[x] for x in stack.stacked])
     outs = pipe(mesh, weights, [env[x] for x in stack.carry_init],
                 [jaxpr_util.read(env, x) for x in stack.shared_init])
@@ -324,8 +327,8 @@ def _compile(method, step: TracedStep, lmesh: LogicalMesh, index: int,
   # Layouts: stacked weights (and optimizer leaves shaped like them) split over stage.
   position = {var: i for i, var in enumerate(jaxpr.invars)}
   operand = {x: j for j, x in enumerate(loss.closed.jaxpr.invars)}
-  weight_operands = ([j for per_layer in stack.weights for j in per_layer]
-                     or [operand[x] for x in stack.stacked if x in operand])
+  weight_operands = [operand[x] for x in (*(x for per_layer in stack.weights for x in per_layer),
+                                          *stack.stacked) if x in operand]
   stacked_inputs = {position[eqn.invars[j]] for j in weight_operands if eqn.invars[j] in position}
   stacked_shapes = {step.inputs[i].shape for i in stacked_inputs}
   n = pipe.p * pipe.d

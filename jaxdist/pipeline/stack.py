@@ -5,8 +5,9 @@ the longest run of consecutive layers whose equations are the same, equation by
 equation (primitive, shapes, parameters, literals), and which read their inputs the
 same way. Each input of the run's first layer (the *template*) then has one role:
 
-- a *weight*: a differentiated operand of the loss, a different one in every layer
-  (``block_i``'s kernel); the runtime stacks them into one ``[layers, ...]`` array;
+- a *weight*: a different value in every layer, from before the stack (``block_i``'s
+  kernel, or that kernel cast to bf16); the runtime stacks them into one
+  ``[layers, ...]`` array;
 - a *carry*: for every later layer, a value the layer before computed at the same
   place (the hidden state); the first layer reads it from before the stack;
 - *shared*: the same value in every layer (an attention mask computed before the stack,
@@ -44,8 +45,9 @@ class Stack:
       is its body. None: the layer is the run's first layer (the *template*).
     template: equation ids of one layer in its jaxpr (the loss's or the scan body's).
     weight_vars: the template's per-layer inputs.
-    weights: per weight input, the loss operand index it is in each layer (a run of
-      layers), or ``()`` for a scan.
+    weights: per weight input, the loss value it is in each layer (a run of layers: a
+      parameter, or a value computed from it before the stack, say cast to bf16), or
+      ``()`` for a scan.
     stacked: per weight input, the loss value holding all layers' (a scan's ``xs``).
     carry_in: the template's carried inputs; ``carry_init``: their values before the
       stack (loss vars).
@@ -63,7 +65,7 @@ class Stack:
   scan: int | None
   template: tuple[int, ...]
   weight_vars: tuple
-  weights: tuple[tuple[int, ...], ...]
+  weights: tuple[tuple, ...]
   stacked: tuple
   carry_in: tuple
   carry_init: tuple
@@ -107,7 +109,6 @@ def find_stack(jaxpr, num_consts: int, starts) -> Stack | str:
     return (f"no two consecutive layers of the {len(ids)} are identical (same equations on "
             f"the same shapes)")
   template = ids[first]
-  weight_pos = {v: k for k, v in enumerate(jaxpr.invars) if k >= num_consts}
   defined_in = {}  # var -> layer index of the run that defines it
   for layer in range(first, last):
     for i in ids[layer]:
@@ -136,9 +137,9 @@ def find_stack(jaxpr, num_consts: int, starts) -> Stack | str:
     seen = [mp[tv] for mp in maps]
     if all(v is tv for v in seen):
       shared.append(tv)
-    elif all(v in weight_pos for v in seen) and len(set(seen)) == len(seen):
-      weight_vars.append(tv)
-      weights.append(tuple(weight_pos[v] for v in seen))
+    elif len(set(seen)) == len(seen) and not any(v in defined_in for v in seen):
+      weight_vars.append(tv)  # a value of its own in each layer, from before the stack
+      weights.append(tuple(seen))
     else:
       # A carry: in layer r > first, the value layer r - 1 computed at one template place.
       sources = set()
