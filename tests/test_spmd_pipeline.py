@@ -203,30 +203,30 @@ def test_per_example_inputs_aux_and_weights_cast_before_the_stack():
 
 
 def test_runtime_choice_and_errors():
-  make, batch = _gpt()
-  step = lambda method: jd.parallelize(models.lm_step(jd.value_and_grad), method=method)
+  params, data = _mlp_stack(64, width=16, hidden=32)
+  step = lambda **kw: jd.parallelize(_mlp_stack_step(jd.value_and_grad), donate_argnums=(),
+                                     method=jd.PipeshardParallel(num_micro_batches=4, **kw))
   # auto: SPMD under GPipe, the MPMD driver for 1F1B (the plan says why)
-  auto = step(jd.PipeshardParallel(num_micro_batches=4, pipeline_schedule="gpipe"))
-  assert auto.get_executable(make(), batch).plan.notes[0].startswith("runtime spmd")
+  auto = step(pipeline_schedule="gpipe")
+  assert auto.get_executable(params, data).plan.notes[0].startswith("runtime spmd")
   # The estimator models the driver's pipeline and says so where SPMD would run.
-  est = jd.estimate(auto, make(), batch)
+  est = jd.estimate(auto, params, data)
   assert est.approximate and "SPMD pipeline runtime" in est.notes[0], est.notes
-  mpmd = step(jd.PipeshardParallel(num_micro_batches=4)).get_executable(make(), batch)
-  assert mpmd.plan.notes[0] == ("runtime mpmd: pipeline_schedule='1f1b' runs on the MPMD driver "
-                                "(the SPMD runtime runs GPipe's order)")
+  assert step().get_executable(params, data).plan.notes[0] == (
+      "runtime mpmd: pipeline_schedule='1f1b' runs on the MPMD driver (the SPMD runtime runs "
+      "GPipe's order)")
   with pytest.raises(errors.InvalidArgumentError, match=r"runtime='spmd'.*'gpipe'"):
     jd.PipeshardParallel(runtime="spmd")
   with pytest.raises(errors.InvalidArgumentError, match=r"runtime='threads'.*'auto', 'spmd'"):
     jd.PipeshardParallel(runtime="threads")
   # Layers that are not a stack: a clear error under "spmd", the driver under "auto".
-  params, data = _mlp_stack(64)
-  params["blocks"][2]["up"] = params["blocks"][2]["up"][:, :512]
-  params["blocks"][2]["down"] = params["blocks"][2]["down"][:512]
-  uneven = lambda runtime: jd.parallelize(_mlp_stack_step(jd.value_and_grad), method=(
-      jd.PipeshardParallel(num_micro_batches=4, pipeline_schedule="gpipe", runtime=runtime)))
+  uneven = jax.tree.map(lambda x: x, params)
+  uneven["blocks"][2] = {"up": params["blocks"][2]["up"][:, :16],
+                         "down": params["blocks"][2]["down"][:16]}
   with pytest.raises(errors.InvalidArgumentError, match=r"cannot pipeline.*only layers 1..2 of 6"):
-    uneven("spmd").get_executable(params, data)
+    step(pipeline_schedule="gpipe", runtime="spmd").get_executable(uneven, data)
+  assert step(pipeline_schedule="gpipe").get_executable(uneven, data).plan.notes[0].startswith(
+      "runtime mpmd: only layers 1..2 of 6 are identical")
   with pytest.raises(errors.InvalidArgumentError, match=r"cannot pipeline.*batch \(30\)"):
-    step(jd.PipeshardParallel(num_micro_batches=4, pipeline_schedule="gpipe",
-                              runtime="spmd")).get_executable(
-        make(), {"tokens": batch["tokens"][:30]})
+    step(pipeline_schedule="gpipe", runtime="spmd").get_executable(
+        params, jax.tree.map(lambda x: x[:30], data))
