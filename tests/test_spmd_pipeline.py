@@ -7,6 +7,7 @@ computed on the whole batch as serially; only summation order differs).
 import jax
 import jax.numpy as jnp
 import numpy as np
+import flax.linen as nn
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -17,11 +18,25 @@ from jaxdist.pipeline import spmd
 from helpers import assert_trees_close, to_host
 
 
-def _gpt(mark_boundaries=True, scan_layers=False):
+class _RematGPT(nn.Module):
+  """models.GPT with every block under nn.remat (one equation per block in the loss)."""
+
+  config: models.GPTConfig
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = models.embed(self, self.config, tokens)
+    for i in range(self.config.depth):
+      x = nn.remat(models.Block)(self.config, name=f"block_{i}")(x)
+    return nn.Dense(self.config.vocab)(nn.LayerNorm()(x))
+
+
+def _gpt(mark_boundaries=True, scan_layers=False, remat=False):
   config = models.GPTConfig(vocab=256, width=32, heads=4, depth=4, seq_len=32,
                             mark_boundaries=mark_boundaries, scan_layers=scan_layers)
   batch = models.token_batch(32, config)
-  make = lambda: models.create_state(models.GPT(config), batch["tokens"][:, :-1],
+  model = _RematGPT(config) if remat else models.GPT(config)
+  make = lambda: models.create_state(model, batch["tokens"][:, :-1],
                                      tx=optax.sgd(0.1, momentum=0.9))
   return make, batch
 
@@ -36,14 +51,17 @@ def _collectives(exe) -> dict:
   return {kind: stats.count for kind, stats in exe.communication().items()}
 
 
-@pytest.mark.parametrize("layer_option,virtual,mesh", [
-    ("manual", 1, (4, 2)),
+@pytest.mark.parametrize("layer_option,virtual,mesh,remat", [
+    ("manual", 1, (4, 2), False),
     # the stack found as the loss's repeated blocks (layer_num does not cut it); the
     # circular pipeline: 2 stages hold chunks {0, 2} and {1, 3}
-    (jd.AutoLayerOption(layer_num=3), 2, (2, 4)),
-], ids=["manual-boundaries", "auto-layers-circular"])
-def test_gpt_stack_runs_as_one_pipelined_program_equal_to_serial(layer_option, virtual, mesh):
-  make, batch = _gpt(mark_boundaries=layer_option == "manual")
+    (jd.AutoLayerOption(layer_num=3), 2, (2, 4), False),
+    # nn.remat blocks: each block is one equation of the loss, repeated
+    (jd.AutoLayerOption(layer_num=2), 1, (4, 2), True),
+], ids=["manual-boundaries", "auto-layers-circular", "auto-layers-remat-blocks"])
+def test_gpt_stack_runs_as_one_pipelined_program_equal_to_serial(layer_option, virtual, mesh,
+                                                                 remat):
+  make, batch = _gpt(mark_boundaries=layer_option == "manual", remat=remat)
   expected = _serial_twice(models.lm_step(), make, batch)
   method = jd.PipeshardParallel(num_micro_batches=4, pipeline_schedule="gpipe", runtime="spmd",
                                 layer_option=layer_option, virtual_stages=virtual)
@@ -56,7 +74,7 @@ def test_gpt_stack_runs_as_one_pipelined_program_equal_to_serial(layer_option, v
   assert (exe.plan.mesh_shape, exe.plan.axis_names) == (mesh, ("stage", "data"))
   notes = " ".join(exe.plan.notes)
   found = ("layers 1..4 of 6 are identical" if layer_option == "manual" else
-           "4 repeated runs of")
+           "4 repeated runs of 1 equations" if remat else "4 repeated runs of")
   assert notes.startswith(f"runtime spmd: {found}"), notes
   clocks = spmd.num_clocks(mesh[0], virtual, 4)
   assert clocks == 4 * virtual + mesh[0] - 1

@@ -23,13 +23,14 @@ from __future__ import annotations
 import dataclasses
 
 import jax.extend.core as jex
+import numpy as np
 
 from jaxdist import jaxpr_util
 from jaxdist.pipeline import layers as layers_mod
 from jaxdist.shard.repeats import find_repeats
 
-# The shortest run of equations taken for a layer when the stack is searched for.
-MIN_LAYER_EQNS = 8
+# How many repeated runs (most matrix work first) are tried as the stack.
+MAX_CANDIDATES = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,30 +171,34 @@ def find_stack(jaxpr, num_consts: int, starts) -> Stack | str:
 
 
 def find_repeated_stack(jaxpr, num_consts: int) -> tuple[Stack, tuple[int, ...]] | str:
-  """The stack among the loss's equations without given layers: the tandem repeat that
-  covers most equations (as the shard planner finds repeated layers), its copies taken
-  as layers from the first phase at which they read their inputs as a stack.
+  """The stack among the loss's equations without given layers: a tandem repeat of its
+  equations (as the shard planner finds repeated layers; a block under ``nn.remat`` is
+  one equation), the one doing the most matrix work first, its copies taken as layers
+  from the first phase at which they read their inputs as a stack.
 
   Returns the stack and the layer starts it was found with, or why there is none.
   """
-  repeats = find_repeats(jaxpr.eqns, MIN_LAYER_EQNS)
+  flops = np.cumsum([0.0] + [jaxpr_util.eqn_flops(e) for e in jaxpr.eqns])
+  work = lambda r: flops[r.start + r.period * r.copies] - flops[r.start]
+  repeats = sorted((r for r in find_repeats(jaxpr.eqns, 1) if work(r) > 0), key=work,
+                   reverse=True)
   if not repeats:
-    return f"no run of {MIN_LAYER_EQNS} or more equations repeats in the loss"
-  best = max(repeats, key=lambda r: r.period * r.copies)
-  end = best.start + best.period * best.copies
+    return "no run of equations with matrix products repeats in the loss"
   reason = "no repeated run of equations forms a stack of layers"
-  for start in range(best.start, best.start + best.period):
-    copies = (end - start) // best.period
-    if copies < 2:
-      break
-    cuts = {0, *(start + i * best.period for i in range(copies + 1))} - {len(jaxpr.eqns)}
-    starts = tuple(sorted(cuts))
-    found = find_stack(jaxpr, num_consts, starts)
-    if isinstance(found, Stack) and found.num_layers == copies:
-      return dataclasses.replace(found, source=f"{copies} repeated runs of {best.period} "
-                                 f"equations are identical layers"), starts
-    if isinstance(found, str):
-      reason = f"{copies} repeated runs of {best.period} equations: {found}"
+  for best in repeats[:MAX_CANDIDATES]:
+    end = best.start + best.period * best.copies
+    for start in range(best.start, best.start + best.period):
+      copies = (end - start) // best.period
+      if copies < 2:
+        break
+      cuts = {0, *(start + i * best.period for i in range(copies + 1))} - {len(jaxpr.eqns)}
+      starts = tuple(sorted(cuts))
+      found = find_stack(jaxpr, num_consts, starts)
+      if isinstance(found, Stack) and found.num_layers == copies:
+        return dataclasses.replace(found, source=f"{copies} repeated runs of {best.period} "
+                                   f"equations are identical layers"), starts
+      if isinstance(found, str):
+        reason = f"{copies} repeated runs of {best.period} equations: {found}"
   return reason
 
 
