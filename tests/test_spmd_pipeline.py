@@ -70,7 +70,10 @@ def test_gpt_stack_runs_as_one_pipelined_program_equal_to_serial(layer_option, v
   p1, n1 = exe(make(), batch)
   first = to_host(jax.tree.map(jnp.copy, (p1, n1)))
   assert_trees_close((first, to_host(exe(p1, batch))), expected, rtol=1e-5, atol=1e-6)
-  assert isinstance(exe.get_hlo_text(), str)  # one program, no driver
+  # One program, no driver; listed per program as for every pipeline.
+  assert len(exe.get_hlo_text()) == len(exe.memory_analysis()) == 1
+  assert exe.stats == {"max_in_flight": [4] * mesh[0], "dispatched": 1,
+                       "dispatch_s": exe.stats["dispatch_s"]}
   assert (exe.plan.mesh_shape, exe.plan.axis_names) == (mesh, ("stage", "data"))
   notes = " ".join(exe.plan.notes)
   found = ("layers 1..4 of 6 are identical" if layer_option == "manual" else
@@ -176,7 +179,7 @@ def test_stage_memory_holds_only_the_in_flight_inputs():
     assert exe.plan.mesh_shape == (4, 2)
     assert_trees_close(step(params, batch), jax.jit(_mlp_stack_step(jax.value_and_grad))(
         params, batch), rtol=1e-5, atol=1e-6)
-    temp[k] = exe.memory_analysis().temp_size_in_bytes
+    temp[k] = exe.memory_analysis()[0].temp_size_in_bytes
   # Per extra clock a stage keeps the input it saved and the output it produced, and the
   # extra micro-batch's input and output on the whole batch: ~4 of its 8 x 64 shares
   # (measured: 24.6 KB for 4 clocks; without the rematerialization 2.4 MB).

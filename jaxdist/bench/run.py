@@ -91,7 +91,9 @@ def projected_seconds(exe, k: int = 1) -> float:
         math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in st.in_avals))
         for st in stages[1:]), default=0.0)
     return (k + len(stages) - 1) * (compute + transfer) + comm
-  return float(exe.cost_analysis().get("flops", 0.0)) / H100_NODE["reached_flops"] + comm
+  analyses = exe.cost_analysis()  # a list for an SPMD pipeline (one program)
+  analyses = analyses if isinstance(analyses, list) else [analyses]
+  return sum(float(a.get("flops", 0.0)) for a in analyses) / H100_NODE["reached_flops"] + comm
 
 
 def _peak_in_use(devices) -> int | None:

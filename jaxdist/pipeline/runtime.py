@@ -240,7 +240,7 @@ class PipelineExecutable:
     ``schedule``, ``input_shardings``); it cannot run."""
     jaxpr = step.closed_jaxpr.jaxpr
     self._step, self._dyn_argnums = step, dyn_argnums
-    self._retrace, self._device_losses = retrace, {}
+    self._retrace, self._device_losses, self._constants = retrace, {}, {}
     self._index = loss_equation(jaxpr)
     eqn = jaxpr.eqns[self._index]
     k = self._k = method.num_micro_batches or 1
@@ -699,8 +699,8 @@ class PipelineExecutable:
           v = st.acts_out[p]
           c = cots.pop((b, v), None)
           if v is jaxpr.outvars[0]:  # the loss value: d(mean over micro-batches)/d(value_b)
-            c = np.full(a.shape, 1.0 / k, a.dtype)
-          cot_out.append(move(c if c is not None else np.zeros(a.shape, a.dtype), a.sharding))
+            c = self._constant(a, 1.0 / k)
+          cot_out.append(move(c, a.sharding) if c is not None else self._constant(a, 0.0))
         if s not in accumulated:
           accumulated[s] = st.zeros()
         accumulated[s], act_cots = st.run_backward(ops, acts_in, cot_out, accumulated[s])
@@ -738,6 +738,14 @@ class PipelineExecutable:
       total = sum(parts[1:], parts[0])
       results.append(total / k if jnp.issubdtype(total.dtype, jnp.inexact) else total)
     return results
+
+  def _constant(self, aval, value: float) -> jax.Array:
+    """``value`` everywhere in ``aval``'s shape, placed once (backward programs do not
+    donate their cotangents, so it is reused)."""
+    key = (aval.shape, str(aval.dtype), aval.sharding, value)
+    if key not in self._constants:
+      self._constants[key] = move(np.full(aval.shape, value, aval.dtype), aval.sharding)
+    return self._constants[key]
 
   def stage_report(self, repeats: int = 3) -> list[StageReport]:
     """Per stage: its layers and devices, the stage search's predicted seconds per

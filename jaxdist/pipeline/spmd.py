@@ -38,7 +38,7 @@ all devices.
 
 from __future__ import annotations
 
-import math
+import time
 
 import jax
 import jax.extend.core as jex
@@ -47,6 +47,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxdist import inspect as hlo_inspect
 from jaxdist import jaxpr_util
 from jaxdist import methods as m
 from jaxdist.executable import Executable
@@ -282,6 +283,42 @@ class _Pipeline:
             .reshape(-1, *y.shape[3:]) for y in ys]
 
 
+class SpmdPipelineExecutable(Executable):
+  """A PipeshardParallel step compiled by the SPMD runtime: one program, no driver.
+
+  As for every pipeline, ``get_hlo_text()``, ``memory_analysis()`` and
+  ``cost_analysis()`` return lists (here of one program), and ``stats`` after a call
+  holds ``max_in_flight`` (per stage, the micro-batches whose inputs it keeps for the
+  backward: all of them, GPipe's order), ``dispatched`` (1) and ``dispatch_s``.
+  """
+
+  def __init__(self, *args, num_stages: int, num_micro_batches: int, **kwargs):
+    super().__init__(*args, **kwargs)
+    self._in_flight = [num_micro_batches] * num_stages
+    self.stats: dict = {}
+
+  def call_flat(self, leaves):
+    start = time.perf_counter()
+    out = super().call_flat(leaves)
+    self.stats = {"max_in_flight": list(self._in_flight), "dispatched": 1,
+                  "dispatch_s": time.perf_counter() - start}
+    return out
+
+  def get_hlo_text(self) -> list[str]:
+    return [self._compiled.as_text()]
+
+  def memory_analysis(self) -> list:
+    return [self._compiled.memory_analysis()]
+
+  def cost_analysis(self) -> list:
+    return [self._compiled.cost_analysis()]
+
+  def communication(self) -> dict[str, hlo_inspect.CollectiveStats]:
+    if self._communication is None:
+      self._communication = hlo_inspect.collective_summary(self._compiled.as_text())
+    return self._communication
+
+
 def _loss_value_and_grad(loss: capture.CapturedLoss, stack: Stack, pipe: _Pipeline, mesh):
   """``pipeline_loss``'s results (value, aux, gradients) with the stack pipelined."""
   jaxpr = loss.closed.jaxpr
@@ -315,8 +352,6 @@ def _loss_value_and_grad(loss: capture.CapturedLoss, stack: Stack, pipe: _Pipeli
 
 def _compile(method, step: TracedStep, lmesh: LogicalMesh, index: int,
              loss: capture.CapturedLoss, pipe: _Pipeline, dyn_argnums, stack: Stack):
-  import time
-
   start = time.perf_counter()
   smesh = LogicalMesh((pipe.p, pipe.d), axis_names=(STAGE, DATA), devices=tuple(lmesh.devices),
                       alpha=max(lmesh.alpha), beta=max(lmesh.beta), peak_flops=lmesh.peak_flops)
@@ -385,4 +420,5 @@ def _compile(method, step: TracedStep, lmesh: LogicalMesh, index: int,
               inputs=tuple(PlanEntry(leaf.path, leaf.shape, str(leaf.dtype), leaf.role, spec)
                            for leaf, spec in zip(step.inputs, in_specs)),
               num_micro_batches=k, notes=notes)
-  return Executable(step, layout, compiled, plan, dyn_argnums, timings)
+  return SpmdPipelineExecutable(step, layout, compiled, plan, dyn_argnums, timings,
+                                num_stages=p, num_micro_batches=k)
