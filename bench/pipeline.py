@@ -4,8 +4,8 @@ driver's host overhead per dispatched stage program.
 GPT: vocab 1024, width 256, 4 blocks, seq 128, batch 32, SGD + momentum. Pipelines: the
 model's own boundaries (embedding + 2 blocks | 2 blocks + head) on 2 x 4 devices, and 4
 automatic layers on 4 x 2 devices, 4 micro-batches, 1F1B (the MPMD driver); and the SPMD
-runtime (one program, GPipe order) on (4 stages, 2 data) and, circular, on (2, 4) with two
-chunks per stage. Step times are medians of
+runtime (one program) on (4 stages, 2 data) in GPipe's and in lockstep 1F1B order and,
+circular, on (2, 4) with two chunks per stage. Step times are medians of
 alternating runs (the machine is noisy). On simulated CPU devices pipelining has no
 bandwidth to save and every stage shares the same two cores, so this measures what the
 driver costs, not what a pipeline gains on a cluster. Run: python bench/pipeline.py
@@ -40,6 +40,8 @@ def main():
           num_micro_batches=4, layer_option=jd.AutoLayerOption(layer_num=4)),
       "SPMD 4x2 gpipe": jd.PipeshardParallel(
           num_micro_batches=4, pipeline_schedule="gpipe", runtime="spmd"),
+      "SPMD 4x2 1f1b": jd.PipeshardParallel(
+          num_micro_batches=4, pipeline_schedule="1f1b", runtime="spmd"),
       "SPMD 2x4 circular": jd.PipeshardParallel(
           num_micro_batches=4, pipeline_schedule="gpipe", runtime="spmd", virtual_stages=2,
           stage_option=jd.UniformStageOption(num_stages=4)),

@@ -348,14 +348,16 @@ class ParallelizedFunc:
                                       jaxpr_util.CALLS).micro_jaxpr
 
     index = loss_equation(step.closed_jaxpr.jaxpr)
-    why_not = None
-    if not compile and self.method.runtime != "mpmd":  # which runtime a compile would use
+    runtime, why_not = self.method.runtime, None
+    if runtime == "auto" and self.method.pipeline_schedule == "1f1b":
+      runtime, why_not = "mpmd", spmd.WHY_1F1B_ON_THE_DRIVER
+    if not compile and runtime != "mpmd":  # which runtime a compile would use
       planned = spmd.plan(self.method, step, lmesh, index, retrace)
       if not isinstance(planned, str):
         exe = PipelineExecutable(self.method, step, lmesh, dyn_argnums, retrace, compile)
         exe.spmd_runtime = True
         return exe
-    if compile and self.method.runtime != "mpmd":
+    if compile and runtime != "mpmd":
       try:
         built = spmd.build(self.method, step, lmesh, index, dyn_argnums, retrace)
       except errors.JaxdistError:

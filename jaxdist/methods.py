@@ -280,10 +280,11 @@ class PipeshardParallel(Method):
       ``runtime="spmd"``: the circular pipeline, under ``"gpipe"``).
     runtime: ``"mpmd"``: a driver issues per-stage programs on sub-meshes (any layers,
       any stages). ``"spmd"``: one program over a ``(stage, data)`` mesh pipelines the
-      loss's stack of identical layers (``jaxdist.pipeline.spmd``; GPipe's order, uniform
-      stages). ``"auto"`` (default): SPMD when the schedule is ``"gpipe"`` and the layers
-      between the boundaries are identical, MPMD otherwise; the plan's notes say which
-      and why.
+      loss's stack of identical layers (``jaxdist.pipeline.spmd``; uniform stages; GPipe,
+      circular, or 1F1B in lockstep, ``spmd_1f1b``). ``"auto"`` (default): SPMD when the
+      schedule is ``"gpipe"`` and the layers between the boundaries are identical, MPMD
+      otherwise (the driver's 1F1B has half the lockstep bubble); the plan's notes say
+      which and why.
     max_pipeline_bubble_ratio: for ``"auto"``, nnScaler's cap on the number of stages
       ``s <= floor(b / (1 - b) * num_micro_batches + 1)``; None: no cap.
     max_pipeline_unbalance_ratio: for ``"auto"``, nnScaler's balance bound ``r`` in
@@ -341,11 +342,6 @@ class PipeshardParallel(Method):
       raise errors.InvalidArgumentError(
           f"PipeshardParallel(runtime={self.runtime!r}) is not a runtime; valid: "
           f"{', '.join(map(repr, RUNTIMES))}.")
-    if self.runtime == "spmd" and self.pipeline_schedule != "gpipe":
-      raise errors.InvalidArgumentError(
-          f"PipeshardParallel(runtime='spmd', pipeline_schedule={self.pipeline_schedule!r}): "
-          f"the SPMD runtime runs GPipe's order (its backward is the forward scan reversed); "
-          f"use pipeline_schedule='gpipe', or runtime='mpmd' / 'auto' for 1F1B.")
     schedule_ok = self.pipeline_schedule == "1f1b" or (
         self.runtime == "spmd" and self.pipeline_schedule == "gpipe")
     if v > 1 and (not schedule_ok or not (

@@ -24,7 +24,10 @@ blocks), PipeshardParallel can run the whole step as *one* jitted program over a
   1)`` of the clocks. The stacked weights' gradients leave the ``shard_map`` once per
   step: one reduction over ``data`` per step, none per micro-batch.
 
-The loss is computed on the whole batch, exactly as the single-device step computes it
+With ``pipeline_schedule="1f1b"`` the stack and the head run in lockstep 1F1B order
+instead (``spmd_1f1b.py``).
+
+Under GPipe the loss is computed on the whole batch, exactly as the single-device step computes it
 (for a mean loss the same as the mean over micro-batches). Inside the stack each device
 sees its share of a micro-batch, so an operation that couples examples there
 (BatchNorm) sees that share, as under gradient accumulation.
@@ -53,13 +56,18 @@ from jaxdist import methods as m
 from jaxdist.executable import Executable
 from jaxdist.layouts import Layout
 from jaxdist.mesh import LogicalMesh
-from jaxdist.pipeline import capture, layers as layers_mod
+from jaxdist.pipeline import capture, layers as layers_mod, spmd_1f1b
 from jaxdist.pipeline.partition import layer_starts
 from jaxdist.pipeline.stack import Stack, find_repeated_stack, find_scanned_stack, find_stack
 from jaxdist.plan import Plan, PlanEntry
 from jaxdist.trace import BATCH, OPTIMIZER, PARAM, TracedStep
 
 STAGE, DATA = "stage", "data"
+
+# Why runtime="auto" leaves 1F1B to the driver.
+WHY_1F1B_ON_THE_DRIVER = (
+    "pipeline_schedule='1f1b' runs on the MPMD driver (its 1F1B idles p - 1 clocks per step, "
+    "the SPMD runtime's lockstep 1F1B 2(p - 1); runtime='spmd' takes it)")
 
 
 def clock_indices(k, p: int, v: int, m: int):
@@ -128,9 +136,6 @@ def build(method: m.PipeshardParallel, step: TracedStep, lmesh: LogicalMesh, ind
 def plan(method: m.PipeshardParallel, step: TracedStep, lmesh: LogicalMesh, index: int,
          retrace) -> "_Pipeline | str":
   """The SPMD pipeline of the step (nothing compiled), or why there is none."""
-  if method.pipeline_schedule != "gpipe":
-    return (f"pipeline_schedule={method.pipeline_schedule!r} runs on the MPMD driver (the SPMD "
-            f"runtime runs GPipe's order)")
   jaxpr = step.closed_jaxpr.jaxpr
   eqn = jaxpr.eqns[index]
   loss: capture.CapturedLoss = eqn.params["loss"]
@@ -161,19 +166,35 @@ def plan(method: m.PipeshardParallel, step: TracedStep, lmesh: LogicalMesh, inde
   if batch is None or batch % (k * d):
     return (f"the batch ({batch}) does not split into {k} micro-batches over {d} devices per "
             f"stage")
-  if v > 1 and k % p:
-    return (f"virtual_stages={v} needs micro-batches in multiples of the {p} stages (has {k})")
+  one_f_one_b = method.pipeline_schedule == "1f1b"
+  if v > 1 and (one_f_one_b or k % p):
+    return (f"virtual_stages={v} runs GPipe's order with micro-batches in multiples of the "
+            f"{p} stages (has pipeline_schedule={method.pipeline_schedule!r}, {k} micro-batches)")
   # Which inputs of the stack depend on the batch (they are split into micro-batches).
   batch_mask = sum(1 << i for i, leaf in enumerate(step.inputs) if leaf.role == BATCH)
   operand_deps = jaxpr_util.dependencies(jaxpr, len(step.inputs), eqn.invars)
   in_mask = sum(1 << j for j, dep in enumerate(operand_deps) if dep & batch_mask)
+  head = _head_inputs(loss_jaxpr, stack) if one_f_one_b else []
   inits = stack.carry_init + stack.shared_init
   per_layer = [x for xs in stack.weights for x in xs] + list(stack.stacked)
-  atoms = [x for x in (*inits, *per_layer) if not isinstance(x, jex.Literal)]
+  atoms = [x for x in (*inits, *per_layer, *head) if not isinstance(x, jex.Literal)]
   deps = dict(zip(atoms, jaxpr_util.dependencies(loss_jaxpr, len(loss_jaxpr.invars), atoms)))
   batched = [x in deps and bool(deps[x] & in_mask) for x in inits]
   if any(deps[x] & in_mask for x in per_layer if x in deps):
     return "a per-layer input of the stack depends on the batch"
+  head_batched = [x in deps and bool(deps[x] & in_mask) for x in head]
+  if one_f_one_b:
+    params_mask = sum(1 << j for j in range(loss.num_consts, len(loss_jaxpr.invars)))
+    for x, is_batched in zip([*inits[len(stack.carry_init):], *head],
+                             [*batched[len(stack.carry_init):], *head_batched]):
+      if is_batched and deps[x] & params_mask and jnp.issubdtype(x.aval.dtype, jnp.inexact):
+        return (f"1F1B: {x} ({x.aval.str_short()}), read by the stack or the head, depends on "
+                f"both the batch and the parameters (its gradient is not carried)")
+      if is_batched and (not x.aval.shape or x.aval.shape[0] != batch):
+        return (f"1F1B: the head's input {x} ({x.aval.str_short()}) depends on the batch but its "
+                f"dim 0 is not the batch size {batch}")
+    if not all(jnp.issubdtype(x.aval.dtype, jnp.inexact) for x in stack.carry_init):
+      return "1F1B: the stack carries a value that is not a float"
   for position, (x, is_batched) in enumerate(zip(inits, batched)):
     shape = tuple(x.aval.shape)
     if position < len(stack.carry_init) and not is_batched:
@@ -192,7 +213,21 @@ def plan(method: m.PipeshardParallel, step: TracedStep, lmesh: LogicalMesh, inde
     closed = local.eqns[stack.scan].params["jaxpr"]
     body, consts = closed.jaxpr, dict(zip(closed.jaxpr.constvars, closed.consts))
     corr = _correspondence(loss_jaxpr.eqns[stack.scan].params["jaxpr"].jaxpr, body)
-  return _Pipeline(stack, body, consts, corr, p, d, v, k, batched[len(stack.carry_init):])
+  pipe = _Pipeline(stack, body, consts, corr, p, d, v, k, batched[len(stack.carry_init):])
+  pipe.schedule = method.pipeline_schedule
+  pipe.head_inputs, pipe.head_batched = head, head_batched
+  pipe.loss_local, pipe.loss_corr = local, _correspondence(loss_jaxpr, local)
+  pipe.num_aux = loss.kinds.count(capture.AUX)
+  return pipe
+
+
+def _head_inputs(jaxpr, stack: Stack) -> list:
+  """The values the loss's equations after the stack read, other than its outputs."""
+  ids = range(stack.end, len(jaxpr.eqns))
+  defined = {v for i in ids for v in jaxpr.eqns[i].outvars} | set(stack.carry_out)
+  reads = [v for i in ids for v in jaxpr.eqns[i].invars] + list(jaxpr.outvars)
+  return list(dict.fromkeys(v for v in reads if not isinstance(v, jex.Literal)
+                            and v not in defined))
 
 
 def _correspondence(full, local) -> dict:
@@ -223,6 +258,15 @@ class _Pipeline:
     jaxpr_util.eval_eqns(self.jaxpr, env, s.template)
     return [jaxpr_util.read(env, x if isinstance(x, jex.Literal) else loc[x])
             for x in s.carry_src]
+
+  def head(self, carry_out, head_inputs) -> list:
+    """The loss's equations after the stack on one device's share of a micro-batch:
+    the loss value, then the aux outputs."""
+    jaxpr, loc = self.loss_local, self.loss_corr
+    env = dict(zip([loc[x] for x in self.stack.carry_out], carry_out))
+    env.update(zip([loc[x] for x in self.head_inputs], head_inputs))
+    jaxpr_util.eval_eqns(jaxpr, env, range(self.stack.end, len(jaxpr.eqns)))
+    return [jaxpr_util.read(env, x) for x in jaxpr.outvars]
 
   def __call__(self, mesh, weights, carry, shared):
     """The stack's outputs on the whole batch from its inputs on the whole batch."""
@@ -288,13 +332,13 @@ class SpmdPipelineExecutable(Executable):
 
   As for every pipeline, ``get_hlo_text()``, ``memory_analysis()`` and
   ``cost_analysis()`` return lists (here of one program), and ``stats`` after a call
-  holds ``max_in_flight`` (per stage, the micro-batches whose inputs it keeps for the
-  backward: all of them, GPipe's order), ``dispatched`` (1) and ``dispatch_s``.
+  holds ``max_in_flight`` (per stage, the most micro-batches whose inputs it keeps for
+  the backward: all of them under GPipe), ``dispatched`` (1) and ``dispatch_s``.
   """
 
-  def __init__(self, *args, num_stages: int, num_micro_batches: int, **kwargs):
+  def __init__(self, *args, in_flight: list[int], **kwargs):
     super().__init__(*args, **kwargs)
-    self._in_flight = [num_micro_batches] * num_stages
+    self._in_flight = in_flight
     self.stats: dict = {}
 
   def call_flat(self, leaves):
@@ -303,6 +347,13 @@ class SpmdPipelineExecutable(Executable):
     self.stats = {"max_in_flight": list(self._in_flight), "dispatched": 1,
                   "dispatch_s": time.perf_counter() - start}
     return out
+
+  def gather(self, tree):
+    """``tree`` (a state this step returned) with every array replicated over all the
+    devices, as ``PipelineExecutable.gather`` (every process calls it, in the same order)."""
+    full = NamedSharding(self.layout.logical_mesh.mesh, P())
+    return jax.tree.map(lambda x: jax.device_put(x, full) if isinstance(x, jax.Array) else x,
+                        tree)
 
   def get_hlo_text(self) -> list[str]:
     return [self._compiled.as_text()]
@@ -331,6 +382,12 @@ def _loss_value_and_grad(loss: capture.CapturedLoss, stack: Stack, pipe: _Pipeli
     jaxpr_util.eval_eqns(jaxpr, env, range(stack.start))
     weights = ([jnp.stack([env[x] for x in per_layer]) for per_layer in stack.weights]
                or [env[x] for x in stack.stacked])
+    if pipe.schedule == "1f1b":  # the stack and the head, differentiated by hand
+      value, aux = spmd_1f1b.pipelined_loss(pipe, mesh)(
+          weights, [env[x] for x in stack.carry_init],
+          [jaxpr_util.read(env, x) for x in stack.shared_init],
+          [jaxpr_util.read(env, x) for x in pipe.head_inputs])
+      return value, aux
     outs = pipe(mesh, weights, [env[x] for x in stack.carry_init],
                 [jaxpr_util.read(env, x) for x in stack.shared_init])
     # The head runs on the whole batch, split over every device.
@@ -401,14 +458,22 @@ def _compile(method, step: TracedStep, lmesh: LogicalMesh, index: int,
   timings = {"trace_s": 0.0, "plan_s": lowered_at - start,
              "lower_s": compiling_at - lowered_at, "compile_s": time.perf_counter() - compiling_at}
   p, v, k = pipe.p, pipe.v, pipe.m
-  clocks = num_clocks(p, v, k)
+  if pipe.schedule == "1f1b":
+    clocks = spmd_1f1b.num_clocks(p, k)
+    in_flight = spmd_1f1b.max_in_flight(p, k)
+    order = (f"schedule 1f1b in one program, in lockstep: {clocks} clocks for {k} "
+             f"micro-batches, each clock a forward and a backward per stage, bubble "
+             f"{2 * (p - 1) / clocks:.3f} of the clocks; the head runs per micro-batch")
+  else:
+    clocks, in_flight = num_clocks(p, v, k), [k] * p
+    order = (f"schedule gpipe in one program: {clocks} clocks for {k} micro-batches, bubble "
+             f"{(p - 1) / clocks:.3f} of the clocks")
   notes = (
       f"runtime spmd: {stack.source} (loss equations {stack.start}..{stack.end - 1}); they "
       f"run as a pipeline of "
       f"{p} stages x {v} chunk(s) of {stack.num_layers // (p * v)} layer(s) over a "
       f"({p}, {pipe.d}) (stage, data) mesh, the rest on all devices",
-      f"schedule gpipe in one program: {clocks} clocks for {k} micro-batches, bubble "
-      f"{(p - 1) / clocks:.3f} of the clocks",
+      order,
       f"per layer: {len(stack.weight_vars)} weight(s) "
       f"({'stacked by the scan' if stack.scan is not None else 'stacked in the program'}), "
       f"{len(stack.carry_in)} carried value(s), {len(stack.shared)} shared",
@@ -421,4 +486,4 @@ def _compile(method, step: TracedStep, lmesh: LogicalMesh, index: int,
                            for leaf, spec in zip(step.inputs, in_specs)),
               num_micro_batches=k, notes=notes)
   return SpmdPipelineExecutable(step, layout, compiled, plan, dyn_argnums, timings,
-                                num_stages=p, num_micro_batches=k)
+                                in_flight=in_flight)
