@@ -376,7 +376,7 @@ class ParallelizedFunc:
             f"{built}. Use runtime='mpmd' (or 'auto', which falls back to it).")
       why_not = built
     exe = PipelineExecutable(self.method, step, lmesh, dyn_argnums, retrace, compile)
-    if why_not is not None:
+    if why_not is not None and compile:
       exe.plan = dataclasses.replace(exe.plan, notes=(f"runtime mpmd: {why_not}",
                                                       *exe.plan.notes))
     return exe

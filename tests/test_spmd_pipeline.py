@@ -116,12 +116,12 @@ def test_scanned_blocks_pipeline_with_their_stacked_weights_in_place():
 def test_one_gradient_reduction_per_step_and_clock_order():
   """The all-reduces do not grow with the micro-batches (the stacked weights' gradients
   leave the shard_map once per step); only the ring's permutes do."""
-  make, batch = _gpt()
+  params, data = _mlp_stack(64, width=16, hidden=32)
   counts = {}
   for k in (4, 8):
     method = jd.PipeshardParallel(num_micro_batches=k, pipeline_schedule="gpipe", runtime="spmd")
-    exe = jd.parallelize(models.lm_step(jd.value_and_grad), method=method).get_executable(
-        make(), batch)
+    exe = jd.parallelize(_mlp_stack_step(jd.value_and_grad), method=method,
+                         donate_argnums=()).get_executable(params, data)
     counts[k] = _collectives(exe)
   assert counts[4]["all-reduce"] == counts[8]["all-reduce"], counts
   assert counts[8]["collective-permute"] > counts[4]["collective-permute"], counts

@@ -254,6 +254,7 @@ class _Walk:
 
   def run(self, name: str, method) -> None:
     self.origin[name] = method
+    trial = None
     try:
       with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", errors.JaxdistWarning)
@@ -264,7 +265,8 @@ class _Walk:
         trial = dataclasses.replace(trial, reason="; ".join(said)[:300])
       self.add(trial)
     finally:
-      gc.collect()  # the trial's executables and buffers go before the next one
+      if trial is None or trial.compile_s is not None:
+        gc.collect()  # the trial's executables and buffers go before the next one
 
   def _trial(self, name, method) -> Trial:
     from jaxdist.api import ParallelizedFunc
