@@ -59,8 +59,9 @@ def main():
       states[name], metrics = steps[name](states[name], batch)
       jax.block_until_ready(metrics)
       times[name].append(time.perf_counter() - start)
-      stats = getattr(steps[name].get_executable(states[name], batch), "stats", None)
-      if stats:  # a pipeline's driver statistics of the step just run
+      exe = steps[name].get_executable(states[name], batch)
+      if hasattr(exe, "stages"):  # the MPMD driver's statistics of the step just run
+        stats = exe.stats
         overhead.append(stats["dispatch_s"] / stats["dispatched"])
   base = statistics.median(times["ShardParallel"])
   print(f"GPT width {CONFIG.width}, {CONFIG.depth} blocks, seq {CONFIG.seq_len}, batch {BATCH}, "
@@ -90,9 +91,9 @@ def main():
       state, metrics = step(state, tiny_batch)
       jax.block_until_ready(metrics)
       tiny_steps[name].append(time.perf_counter() - start)
-      stats = getattr(step.get_executable(state, tiny_batch), "stats", None)
-      if stats:
-        per_program.append(stats["dispatch_s"] / stats["dispatched"])
+      exe = step.get_executable(state, tiny_batch)
+      if hasattr(exe, "stages"):  # the MPMD driver
+        per_program.append(exe.stats["dispatch_s"] / exe.stats["dispatched"])
   print(f"driver host overhead per stage program (a GPT of width 8, compute negligible): "
         f"{statistics.median(per_program[1:]) * 1e6:.0f} us")
   print("the same tiny GPT's whole step: " + ", ".join(
