@@ -183,7 +183,6 @@ def compile_layout(step: TracedStep, layout: Layout, timings: dict | None = None
   mesh = layout.logical_mesh.mesh
   in_shardings = tuple(NamedSharding(mesh, s) for s in layout.in_specs)
   out_shardings = tuple(NamedSharding(mesh, s) for s in layout.out_specs)
-  donated = {k for k, leaf in enumerate(step.inputs) if leaf.argnum in step.donated_argnums}
   if layout.grad_reduce_specs is not None:
     flat_fun = split_step_fn(step, mesh, layout.batch_axes, layout.num_micro_batches,
                              layout.grad_reduce_specs, layout.eqn_constraints,
@@ -202,8 +201,18 @@ def compile_layout(step: TracedStep, layout: Layout, timings: dict | None = None
     return tuple(o if c is None else jax.lax.with_sharding_constraint(o, c)
                  for o, c in zip(outs, constraints))
 
+  return compile_flat(run, step, in_shardings, out_shardings, timings)
+
+
+def compile_flat(run, step: TracedStep, in_shardings, out_shardings, timings: dict | None = None):
+  """``run`` (the step on its flat dynamic leaves) jitted with these shardings and the
+  step's donations, lowered and compiled for its abstract inputs; returns the Compiled.
+
+  ``timings``: ``lower_s`` and ``compile_s`` are added to it.
+  """
+  donated = tuple(k for k, leaf in enumerate(step.inputs) if leaf.argnum in step.donated_argnums)
   jitted = jax.jit(run, in_shardings=in_shardings, out_shardings=out_shardings,
-                   donate_argnums=tuple(sorted(donated)))
+                   donate_argnums=donated)
   args = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s)
           for leaf, s in zip(step.inputs, in_shardings)]
   start = time.perf_counter()

@@ -53,14 +53,12 @@ def _collectives(exe) -> dict:
 
 @pytest.mark.parametrize("layer_option,virtual,mesh,remat,schedule", [
     ("manual", 1, (4, 2), False, "gpipe"),
-    # the stack found as the loss's repeated blocks (layer_num does not cut it); the
-    # circular pipeline: 2 stages hold chunks {0, 2} and {1, 3}
-    (jd.AutoLayerOption(layer_num=3), 2, (2, 4), False, "gpipe"),
-    # nn.remat blocks: each block is one equation of the loss, repeated
-    (jd.AutoLayerOption(layer_num=2), 1, (4, 2), True, "gpipe"),
+    # the stack found as the loss's repeated blocks (layer_num does not cut it), here
+    # nn.remat blocks (each one equation of the loss); the circular pipeline: 2 stages
+    # hold chunks {0, 2} and {1, 3}
+    (jd.AutoLayerOption(layer_num=3), 2, (2, 4), True, "gpipe"),
     ("manual", 1, (4, 2), False, "1f1b"),
-], ids=["manual-boundaries", "auto-layers-circular", "auto-layers-remat-blocks",
-        "manual-boundaries-1f1b"])
+], ids=["manual-boundaries", "auto-layers-remat-blocks-circular", "manual-boundaries-1f1b"])
 def test_gpt_stack_runs_as_one_pipelined_program_equal_to_serial(layer_option, virtual, mesh,
                                                                  remat, schedule):
   make, batch = _gpt(mark_boundaries=layer_option == "manual", remat=remat)

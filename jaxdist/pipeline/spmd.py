@@ -27,20 +27,22 @@ blocks), PipeshardParallel can run the whole step as *one* jitted program over a
 With ``pipeline_schedule="1f1b"`` the stack and the head run in lockstep 1F1B order
 instead (``spmd_1f1b.py``).
 
-Under GPipe the loss is computed on the whole batch, exactly as the single-device step computes it
-(for a mean loss the same as the mean over micro-batches). Inside the stack each device
-sees its share of a micro-batch, so an operation that couples examples there
+Under GPipe the loss is computed on the whole batch, exactly as the single-device step
+computes it (for a mean loss the same as the mean over micro-batches). Inside the stack
+each device sees its share of a micro-batch, so an operation that couples examples there
 (BatchNorm) sees that share, as under gradient accumulation.
 
-State layout: a stacked weight (and optimizer leaves of its shape) is kept split over
-``stage`` on its first dimension that divides; the program gathers the layers into the
-stage layout and scatters the gradients back (an all-to-all each way per step), so no
-device holds the whole stack. Everything else is replicated; the batch is split over
-all devices.
+State layout: a weight of the stack (and optimizer leaves of its shape) is kept split
+over ``stage`` on its first dimension that divides. Weights stacked by a scan (``nn.scan``)
+are then already where the stages read them (with ``v = 1``); per-layer weights are
+gathered into the stage layout and their gradients scattered back (an all-to-all each
+way per step), so no device holds the whole stack. Everything else is replicated; the
+batch is split over all devices.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -53,7 +55,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxdist import inspect as hlo_inspect
 from jaxdist import jaxpr_util
 from jaxdist import methods as m
-from jaxdist.executable import Executable
+from jaxdist.executable import Executable, compile_flat
 from jaxdist.layouts import Layout
 from jaxdist.mesh import LogicalMesh
 from jaxdist.pipeline import capture, layers as layers_mod, spmd_1f1b
@@ -87,6 +89,13 @@ def num_clocks(p: int, v: int, m: int) -> int:
 def output_clocks(p: int, v: int, m: int) -> np.ndarray:
   """Per micro-batch, the clock at which the last stage finishes it."""
   return np.array([i // p * p * v + (v - 1) * p + i % p + p - 1 for i in range(m)])
+
+
+def split_micro_batches(x, d: int, m: int):
+  """``[batch, ...] -> [d, m, batch / (d·m), ...]``: ``d`` blocks of rows, one per data
+  index (the batch is split over ``(data, stage)``), each cut into ``m`` micro-batches;
+  a device of data index ``j`` holds block ``j``'s share of every micro-batch."""
+  return x.reshape(d, m, x.shape[0] // (d * m), *x.shape[1:])
 
 
 def num_stages(method: m.PipeshardParallel, stack_len: int, n: int) -> int | str:
@@ -130,7 +139,7 @@ def build(method: m.PipeshardParallel, step: TracedStep, lmesh: LogicalMesh, ind
   if isinstance(pipe, str):
     return pipe
   loss = step.closed_jaxpr.jaxpr.eqns[index].params["loss"]
-  return _compile(method, step, lmesh, index, loss, pipe, dyn_argnums, pipe.stack)
+  return _compile(method, step, lmesh, index, loss, pipe, dyn_argnums)
 
 
 def plan(method: m.PipeshardParallel, step: TracedStep, lmesh: LogicalMesh, index: int,
@@ -213,12 +222,9 @@ def plan(method: m.PipeshardParallel, step: TracedStep, lmesh: LogicalMesh, inde
     closed = local.eqns[stack.scan].params["jaxpr"]
     body, consts = closed.jaxpr, dict(zip(closed.jaxpr.constvars, closed.consts))
     corr = _correspondence(loss_jaxpr.eqns[stack.scan].params["jaxpr"].jaxpr, body)
-  pipe = _Pipeline(stack, body, consts, corr, p, d, v, k, batched[len(stack.carry_init):])
-  pipe.schedule = method.pipeline_schedule
-  pipe.head_inputs, pipe.head_batched = head, head_batched
-  pipe.loss_local, pipe.loss_corr = local, _correspondence(loss_jaxpr, local)
-  pipe.num_aux = loss.kinds.count(capture.AUX)
-  return pipe
+  return _Pipeline(stack, body, consts, corr, p, d, v, k, method.pipeline_schedule,
+                   batched[len(stack.carry_init):], local, _correspondence(loss_jaxpr, local),
+                   head, head_batched, loss.kinds.count(capture.AUX))
 
 
 def _head_inputs(jaxpr, stack: Stack) -> list:
@@ -239,14 +245,39 @@ def _correspondence(full, local) -> dict:
   return out
 
 
+@dataclasses.dataclass
 class _Pipeline:
-  """The stack run as a pipelined ``shard_map`` (see the module docstring)."""
+  """The stack run as a pipelined ``shard_map`` (see the module docstring).
 
-  def __init__(self, stack: Stack, jaxpr, consts: dict, local: dict, p: int, d: int, v: int,
-               m: int, shared_batched: list[bool]):
-    self.stack, self.jaxpr, self.consts, self.local = stack, jaxpr, consts, local
-    self.p, self.d, self.v, self.m = p, d, v, m
-    self.shared_batched = shared_batched
+  Attributes:
+    stack: what runs pipelined.
+    jaxpr, consts: the jaxpr holding one layer's equations (the loss's or the scan's
+      body) traced at one device's share of a micro-batch, and its constants.
+    local: full-batch var of that jaxpr -> the same var at the share.
+    p, d, v, m: stages, devices per stage, chunks per stage, micro-batches.
+    schedule: "gpipe" or "1f1b".
+    shared_batched: per shared input of the stack, whether it is split by micro-batch.
+    loss_local, loss_corr: the loss traced at the share; full-batch var -> its var.
+    head_inputs, head_batched: under 1F1B, what the loss's equations after the stack
+      read (full-batch vars), and whether each is split by micro-batch.
+    num_aux: the loss's aux outputs.
+  """
+
+  stack: Stack
+  jaxpr: object
+  consts: dict
+  local: dict
+  p: int
+  d: int
+  v: int
+  m: int
+  schedule: str
+  shared_batched: list
+  loss_local: object
+  loss_corr: dict
+  head_inputs: list
+  head_batched: list
+  num_aux: int
 
   def _layer(self, weights, carry, shared):
     """One layer on one device's share of a micro-batch (the template, traced at that size)."""
@@ -274,9 +305,7 @@ class _Pipeline:
     chunk = self.stack.num_layers // (p * v)
     stacked = [w.reshape(v, p, chunk, *w.shape[1:]) for w in weights]
     d = self.d
-    # Rows of the batch: d blocks (one per data index, as the batch is split over
-    # (data, stage)), each cut into m micro-batches; a device holds its block's share.
-    split = lambda x: x.reshape(d, m, x.shape[0] // (d * m), *x.shape[1:])
+    split = lambda x: split_micro_batches(x, d, m)
     carry = [split(x) for x in carry]
     shared = [split(x) if b else x for x, b in zip(shared, self.shared_batched)]
     mb_spec = P(DATA)
@@ -408,8 +437,8 @@ def _loss_value_and_grad(loss: capture.CapturedLoss, stack: Stack, pipe: _Pipeli
 
 
 def _compile(method, step: TracedStep, lmesh: LogicalMesh, index: int,
-             loss: capture.CapturedLoss, pipe: _Pipeline, dyn_argnums, stack: Stack):
-  start = time.perf_counter()
+             loss: capture.CapturedLoss, pipe: _Pipeline, dyn_argnums):
+  start, stack = time.perf_counter(), pipe.stack
   smesh = LogicalMesh((pipe.p, pipe.d), axis_names=(STAGE, DATA), devices=tuple(lmesh.devices),
                       alpha=max(lmesh.alpha), beta=max(lmesh.beta), peak_flops=lmesh.peak_flops)
   mesh = smesh.mesh
@@ -444,19 +473,9 @@ def _compile(method, step: TracedStep, lmesh: LogicalMesh, index: int,
     jaxpr_util.eval_eqns(jaxpr, env, range(index + 1, len(jaxpr.eqns)))
     return tuple(jaxpr_util.read(env, x) for x in jaxpr.outvars)
 
-  in_shardings = tuple(NamedSharding(mesh, s) for s in in_specs)
-  donated = tuple(i for i, leaf in enumerate(step.inputs) if leaf.argnum in step.donated_argnums)
-  jitted = jax.jit(run, in_shardings=in_shardings,
-                   out_shardings=tuple(NamedSharding(mesh, s) for s in out_specs),
-                   donate_argnums=donated)
-  args = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s)
-          for leaf, s in zip(step.inputs, in_shardings)]
-  lowered_at = time.perf_counter()
-  lowered = jitted.lower(*args)
-  compiling_at = time.perf_counter()
-  compiled = lowered.compile()
-  timings = {"trace_s": 0.0, "plan_s": lowered_at - start,
-             "lower_s": compiling_at - lowered_at, "compile_s": time.perf_counter() - compiling_at}
+  timings = {"trace_s": 0.0, "plan_s": time.perf_counter() - start}
+  compiled = compile_flat(run, step, tuple(NamedSharding(mesh, s) for s in in_specs),
+                          tuple(NamedSharding(mesh, s) for s in out_specs), timings)
   p, v, k = pipe.p, pipe.v, pipe.m
   if pipe.schedule == "1f1b":
     clocks = spmd_1f1b.num_clocks(p, k)

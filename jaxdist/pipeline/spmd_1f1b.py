@@ -29,6 +29,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxdist.pipeline import spmd
+
 STAGE, DATA = "stage", "data"
 
 
@@ -79,7 +81,7 @@ def _run(pipe, mesh, weights, carry, shared, head_inputs):
   p, d, m = pipe.p, pipe.d, pipe.m
   chunk = pipe.stack.num_layers // p
   stacked = [w.reshape(p, chunk, *w.shape[1:]) for w in weights]
-  split = lambda x: x.reshape(d, m, x.shape[0] // (d * m), *x.shape[1:])
+  split = lambda x: spmd.split_micro_batches(x, d, m)
   carry_split = [split(x) for x in carry]
   shared_split = [split(x) if b else x for x, b in zip(shared, pipe.shared_batched)]
   head_split = [split(x) if b else x for x, b in zip(head_inputs, pipe.head_batched)]

@@ -442,13 +442,13 @@ def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
   memory = None
   if opt.memory_budget_per_device is not None:
     memory = memory_constraint(jaxpr, graph, step, lmesh)
-  ties = tie_groups(jaxpr, graph) if opt.share_repeated_layers else None
   digest = cache.key(str(step.closed_jaxpr), [(l.shape, str(l.dtype), l.role) for l in step.inputs],
                      lmesh.shape, lmesh.axis_names, lmesh.alpha, lmesh.beta, lmesh.peak_flops,
                      lmesh.devices[0].platform, getattr(lmesh.devices[0], "device_kind", ""),
                      opt, pinned, num_micro_batches, tied, regions is not None)
   solution = cache.load(digest, len(graph.group_sizes)) if opt.plan_cache else None
   if solution is None:
+    ties = tie_groups(jaxpr, graph) if opt.share_repeated_layers else None
     free = sum(1 for n in graph.group_sizes if n > 1)
     log.info("solving mesh %s %s: %d equations, %d choice groups (%d after tying repeats)",
              lmesh.shape, lmesh.axis_names, len(jaxpr.eqns), free,
