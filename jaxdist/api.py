@@ -352,22 +352,14 @@ class ParallelizedFunc:
     if runtime == "auto" and self.method.pipeline_schedule == "1f1b":
       runtime, why_not = "mpmd", spmd.WHY_1F1B_ON_THE_DRIVER
     if not compile and runtime != "mpmd":  # which runtime a compile would use
-      planned = spmd.plan(self.method, step, lmesh, index, retrace)
+      planned = self._spmd(lambda: spmd.plan(self.method, step, lmesh, index, retrace))
       if not isinstance(planned, str):
         exe = PipelineExecutable(self.method, step, lmesh, dyn_argnums, retrace, compile)
         exe.spmd_runtime = True
         return exe
     if compile and runtime != "mpmd":
-      try:
-        built = spmd.build(self.method, step, lmesh, index, dyn_argnums, retrace)
-      except errors.JaxdistError:
-        raise
-      except Exception as e:  # our shortfall: the driver still runs the step correctly
-        if self.method.runtime == "spmd":
-          raise
-        built = f"the SPMD runtime failed on this step ({type(e).__name__}: {e})"
-        warnings.warn(f"PipeshardParallel: {built}; running it on the MPMD driver.",
-                      errors.JaxdistWarning, stacklevel=3)
+      built = self._spmd(lambda: spmd.build(self.method, step, lmesh, index, dyn_argnums,
+                                            retrace))
       if not isinstance(built, str):
         return built
       if self.method.runtime == "spmd":
@@ -380,6 +372,22 @@ class ParallelizedFunc:
       exe.plan = dataclasses.replace(exe.plan, notes=(f"runtime mpmd: {why_not}",
                                                       *exe.plan.notes))
     return exe
+
+  def _spmd(self, attempt):
+    """``attempt()`` (the SPMD pipeline runtime's plan or build: a result, or why not);
+    an unexpected failure is our shortfall: under runtime="auto" it warns and becomes the
+    reason, so the driver runs the step."""
+    try:
+      return attempt()
+    except errors.JaxdistError:
+      raise
+    except Exception as e:
+      if self.method.runtime == "spmd":
+        raise
+      why = f"the SPMD runtime failed on this step ({type(e).__name__}: {e})"
+      warnings.warn(f"PipeshardParallel: {why}; running it on the MPMD driver.",
+                    errors.JaxdistWarning, stacklevel=4)
+      return why
 
   def _trace_spmd(self, args, static, request):
     """The traced step of an SPMD method (with its recomputation request applied)."""

@@ -106,18 +106,22 @@ def num_stages(method: m.PipeshardParallel, stack_len: int, n: int) -> int | str
   if isinstance(opt, m.UniformStageOption) and opt.submesh_shape is not None \
      and len(opt.submesh_shape) != 1:
     return f"UniformStageOption(submesh_shape={opt.submesh_shape!r}) is not 1-D"
+  size = opt.submesh_shape[0] if isinstance(opt, m.UniformStageOption) and opt.submesh_shape \
+      else None  # devices per stage, if given
   if isinstance(opt, m.UniformStageOption) and opt.num_stages is not None:
     if opt.num_stages % v:
       return f"{opt.num_stages} stages are not {v} chunks per device group"
     p = opt.num_stages // v
-    if n % p or stack_len % (p * v) or p < 2:
-      return (f"{p} device groups of {v} chunks do not split the {stack_len} identical layers "
-              f"and the {n} devices evenly")
+    if n % p or stack_len % (p * v) or p < 2 or size not in (None, n // p):
+      return (f"{p} device groups of {v} chunks (of {size or n // max(p, 1)} devices each) do "
+              f"not split the {stack_len} identical layers and the {n} devices evenly")
     return p
-  fits = [p for p in range(2, n + 1) if n % p == 0 and stack_len % (p * v) == 0]
+  fits = [p for p in range(2, n + 1) if n % p == 0 and stack_len % (p * v) == 0
+          and size in (None, n // p)]
   if not fits:
     return (f"no number of stages >= 2 divides both the {n} devices and the {stack_len} "
-            f"identical layers into {v} chunk(s) per stage")
+            f"identical layers into {v} chunk(s) per stage"
+            + (f" with {size} devices each" if size else ""))
   return max(fits)
 
 

@@ -60,19 +60,17 @@ def pipelined_loss(pipe, mesh):
   """``f(weights, carry, shared, head_inputs) -> (value, aux)`` with its gradients made in
   1F1B order (see the module docstring); ``pipe`` is the ``spmd._Pipeline``."""
 
+  run = lambda *inputs: _run(pipe, mesh, *inputs)  # ((value, aux), gradients)
+
   @jax.custom_vjp
   def loss(weights, carry, shared, head_inputs):
-    return _run(pipe, mesh, weights, carry, shared, head_inputs)[0]
-
-  def forward(weights, carry, shared, head_inputs):
-    outs, grads = _run(pipe, mesh, weights, carry, shared, head_inputs)
-    return outs, grads
+    return run(weights, carry, shared, head_inputs)[0]  # (not differentiated: rare)
 
   def backward(grads, cotangents):
-    g = cotangents[0]
+    g = cotangents[0]  # the value's; aux outputs are not differentiated
     return jax.tree.map(lambda x: x * g if x.dtype != jax.dtypes.float0 else x, grads)
 
-  loss.defvjp(forward, backward)
+  loss.defvjp(run, backward)
   return loss
 
 

@@ -133,7 +133,9 @@ def find_stack(jaxpr, num_consts: int, starts) -> Stack | str:
           return f"layers {first} and {layer} read their inputs differently"
     maps.append(mapping)
   weight_vars, weights, carry_in, carry_src, shared = [], [], [], [], []
-  template_defs = {v: v for i in template for v in jaxpr.eqns[i].outvars}
+  template_defs = {v for i in template for v in jaxpr.eqns[i].outvars}
+  # Per layer, its value -> the template's value computed at the same place.
+  backs = [{lv: t for t, lv in mp.items() if t in template_defs} for mp in maps]
   for tv in reads:
     seen = [mp[tv] for mp in maps]
     if all(v is tv for v in seen):
@@ -145,8 +147,7 @@ def find_stack(jaxpr, num_consts: int, starts) -> Stack | str:
       # A carry: in layer r > first, the value layer r - 1 computed at one template place.
       sources = set()
       for r in range(1, len(maps)):
-        back = {lv: t for t, lv in maps[r - 1].items() if t in template_defs}
-        sources.add(back.get(seen[r]))
+        sources.add(backs[r - 1].get(seen[r]))
       if len(sources) != 1 or None in sources:
         return (f"layer {first}'s input {tv} is neither the same value in every layer, a "
                 f"parameter of its own in each, nor the previous layer's output")
