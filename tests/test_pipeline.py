@@ -4,6 +4,7 @@ Numerics: SGD + momentum, rtol 1e-5 / atol 1e-6 (only summation order differs: t
 micro-batch gradients are added up stage by stage).
 """
 
+import functools
 import warnings
 
 import flax.linen as nn
@@ -30,6 +31,15 @@ def _gpt(mark_boundaries=True, batch_size=32):
   return make, batch
 
 
+@functools.cache
+def _serial_twice():
+  """Two serial steps of _gpt() from its initial state, on the host."""
+  make, batch = _gpt()
+  serial = jax.jit(models.lm_step())
+  s1, m1 = serial(make(), batch)
+  return to_host((s1, m1)), to_host(serial(s1, batch))
+
+
 @pytest.mark.parametrize("method,in_flight", [
     # embedding + 2 blocks | 2 blocks + head: unequal stages, from the model's boundaries
     (jd.PipeshardParallel(num_micro_batches=4, stage_option=jd.UniformStageOption(num_stages=2)),
@@ -44,9 +54,7 @@ def _gpt(mark_boundaries=True, batch_size=32):
 ], ids=["manual-2-stages-1f1b", "auto-4-stages-1f1b", "auto-4-stages-gpipe", "auto-stages"])
 def test_pipeline_matches_serial_twice_in_a_row(method, in_flight):
   make, batch = _gpt()
-  serial = jax.jit(models.lm_step())
-  s1, m1 = serial(make(), batch)
-  expected = (to_host((s1, m1)), to_host(serial(s1, batch)))
+  expected = _serial_twice()
   state = make()
   exe = jd.parallelize(models.lm_step(jd.value_and_grad), method=method).get_executable(state,
                                                                                          batch)
@@ -109,8 +117,7 @@ def test_interleaved_stages_share_device_groups_and_match_serial():
   method = jd.PipeshardParallel(num_micro_batches=4, stage_option=jd.UniformStageOption(
       num_stages=4), virtual_stages=2)
   step = jd.parallelize(models.lm_step(jd.value_and_grad), method=method)
-  expected = to_host(jax.jit(models.lm_step())(make(), batch))
-  assert_trees_close(to_host(step(make(), batch)), expected, rtol=1e-5, atol=1e-6)
+  assert_trees_close(to_host(step(make(), batch)), _serial_twice()[0], rtol=1e-5, atol=1e-6)
   exe = step.get_executable(make(), batch)
   groups = [frozenset(d.id for d in st.mesh.devices) for st in exe.stages]
   assert groups[0] == groups[2] and groups[1] == groups[3] and not groups[0] & groups[1]
@@ -187,9 +194,7 @@ def test_each_stage_is_shard_parallel_on_its_sub_mesh():
   options apply per stage (ZeRO-3: every parameter sharded; a partition constraint on
   the parameters it matches), and the state lives sharded as the stage's programs read it."""
   make, batch = _gpt()
-  serial = jax.jit(models.lm_step())
-  s1, m1 = serial(make(), batch)
-  expected = (to_host((s1, m1)), to_host(serial(s1, batch)))
+  expected = _serial_twice()
   pattern = "*block_3*Dense_0*kernel*"
   option = jd.AutoShardingOption(force_zero_stage_3=True,
                                  partition_constraints={pattern: P(None, "mesh_1")})
