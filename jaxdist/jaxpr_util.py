@@ -21,10 +21,11 @@ CALLS = ("jit", "pjit", "closed_call", "core_call")
 # just its primal function, and a rematerialized block (jax.checkpoint, nn.remat) its body
 # behind an optimization barrier (what jax lowers it to).
 PLAN_CALLS = CALLS + ("custom_jvp_call", "custom_vjp_call", "remat2")
-# What the shard planner flattens: PLAN_CALLS, and scans of at most MAX_UNROLLED_SCAN
+# What the shard planner flattens: PLAN_CALLS, scans of at most MAX_UNROLLED_SCAN
 # iterations unrolled (a stack of layers written with nn.scan / lax.scan), so each
-# iteration's equations are planned (identical iterations share one solution; the step
-# still compiles with the scan as a loop, see jaxdist.shard.rolled).
+# iteration's equations are planned (identical iterations share one solution), and
+# conditionals written out branch by branch; the step still compiles with the scans as
+# loops and the conditionals as conditionals (see jaxdist.shard.rolled).
 PLAN_INLINE = PLAN_CALLS + ("scan",)
 MAX_UNROLLED_SCAN = 128
 
@@ -175,7 +176,7 @@ def rolled_and_unrolled(closed: jex.ClosedJaxpr):
 
 def _inline(closed: jex.ClosedJaxpr, primitives: Sequence[str], deep: bool) -> jex.ClosedJaxpr:
   """:func:`inline_calls` without unrolling; ``deep``: inside scan bodies too."""
-  if not any(e.primitive.name in primitives or (deep and e.primitive.name == "scan")
+  if not any(e.primitive.name in primitives or (deep and e.primitive.name in ("scan", "cond"))
              for e in closed.jaxpr.eqns):
     return closed
   constvars, consts, eqns = list(closed.jaxpr.constvars), list(closed.consts), []
@@ -206,6 +207,9 @@ def _inline(closed: jex.ClosedJaxpr, primitives: Sequence[str], deep: bool) -> j
         params = eqn.params
         if deep and name == "scan":
           params = dict(params, jaxpr=_inline(params["jaxpr"], primitives, deep=True))
+        elif deep and name == "cond":
+          params = dict(params, branches=tuple(_inline(b, primitives, deep=True)
+                                               for b in params["branches"]))
         eqns.append(eqn.replace(invars=invars, outvars=outvars, params=params))
 
   top: dict = {}
@@ -217,20 +221,24 @@ def _inline(closed: jex.ClosedJaxpr, primitives: Sequence[str], deep: bool) -> j
 
 
 def unroll_scans(closed: jex.ClosedJaxpr):
-  """``closed`` with every scan of at most :data:`MAX_UNROLLED_SCAN` iterations (nested
-  ones too) written out once per iteration, each iteration reading its slice of the
-  scanned operands and the per-iteration results stacked; and per equation of the
-  result its origin in ``closed``:
+  """``closed`` with every scan of at most :data:`MAX_UNROLLED_SCAN` iterations written
+  out once per iteration, each iteration reading its slice of the scanned operands and
+  the per-iteration results stacked, and every conditional written out branch by branch,
+  each output a ``select_n`` of the branches' on the branch index (nested ones too, also
+  inside each other); and per equation of the result its origin in ``closed``:
 
   - ``("eqn", path)``: the equation at ``path``: ``(i,)`` is ``closed``'s equation ``i``;
-    ``(i, r, j)`` equation ``j`` of the body of scan ``i`` in iteration ``r``; and so on
-    for nested scans;
+    ``(i, r, j)`` equation ``j`` of the body of scan ``i`` in iteration ``r``;
+    ``((i, b), 0, j)`` equation ``j`` of branch ``b`` of conditional ``i``; and so on
+    when nested;
   - ``("xs", path, r, q)``: iteration ``r``'s slice of the ``q``-th scanned operand of
     the scan at ``path``; ``("ys", path, q)``: the stacking of its ``q``-th result;
+  - ``("cond", path, q)``: the selection of the conditional's ``q``-th output;
   - None: a reshape inside that stacking.
   """
   def short(e):
-    return e.primitive.name == "scan" and e.params["length"] <= MAX_UNROLLED_SCAN
+    return e.primitive.name == "cond" or (e.primitive.name == "scan"
+                                          and e.params["length"] <= MAX_UNROLLED_SCAN)
 
   if not any(short(e) for e in closed.jaxpr.eqns):
     return closed, [("eqn", (i,)) for i in range(len(closed.jaxpr.eqns))]
@@ -240,7 +248,8 @@ def unroll_scans(closed: jex.ClosedJaxpr):
     for i, eqn in enumerate(jaxpr.eqns):
       invars = [v if isinstance(v, jex.Literal) else sub.get(v, v) for v in eqn.invars]
       if short(eqn):
-        outs = _unrolled_scan(eqn, invars, path + (i,), emit, constvars, consts, eqns, origins)
+        flatten = _unrolled_scan if eqn.primitive.name == "scan" else _branches
+        outs = flatten(eqn, invars, path + (i,), emit, constvars, consts, eqns, origins)
         sub.update((o, v) for o, v in zip(eqn.outvars, outs) if not isinstance(o, jex.DropVar))
         continue
       outvars = eqn.outvars
@@ -293,6 +302,32 @@ def _unrolled_scan(eqn, invars: list, path: tuple, emit: Callable, constvars: li
   stacked = [helper(_stack_jaxpr(y[0].aval, length), y, ("ys", path, q))[0]
              for q, y in enumerate(ys)]
   return [*carry, *stacked]
+
+
+def _branches(eqn, invars: list, path: tuple, emit: Callable, constvars: list,
+              consts: list, eqns: list, origins: list) -> list:
+  """Emits every branch of a conditional on its operands (``emit`` as in
+  :func:`_unrolled_scan`), then per output a ``select_n`` of the branches' results on
+  the branch index (which ``cond`` keeps in range); returns the selections."""
+  index, operands = invars[0], invars[1:]
+  results = []
+  for b, branch in enumerate(eqn.params["branches"]):
+    inner = {}
+    for v, c in zip(branch.jaxpr.constvars, branch.consts):
+      inner[v] = jex.Var(v.aval)
+      constvars.append(inner[v])
+      consts.append(c)
+    inner.update(zip(branch.jaxpr.invars, operands))
+    emit(branch.jaxpr, inner, True, path[:-1] + ((path[-1], b), 0))
+    results.append([v if isinstance(v, jex.Literal) else inner.get(v, v)
+                    for v in branch.jaxpr.outvars])
+  outs = []
+  for q, (outvar, cases) in enumerate(zip(eqn.outvars, zip(*results))):
+    outs.append(jex.Var(outvar.aval))
+    eqns.append(jex.new_jaxpr_eqn([index, *cases], [outs[-1]], jax.lax.select_n_p, {},
+                                  jex.no_effects, eqn.source_info, eqn.ctx))
+    origins.append(("cond", path, q))
+  return outs
 
 
 @functools.lru_cache(maxsize=4096)

@@ -198,37 +198,47 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep,
     predicted = _micro_batch_predictions(step, best, layout, k)
     notes.append(f"num_micro_batches={k}: the gradient part's collectives run {k} times (on "
                  f"1/{k} of the batch each); gradients are reduced once, after the loop")
-  if regions is not None:
-    rolled = roll(rolled_jaxpr, origins, layout.eqn_constraints, layout.operand_constraints)
-    if isinstance(rolled, str):  # compiled unrolled: collectives combine across iterations
-      notes.append(rolled)
-      for node in best.graph.nodes:
-        node.region = None
-      predicted = combine.predict(best.graph, best.solution.choice, best.cost_model)
-    else:
-      layout = dataclasses.replace(layout, rolled=rolled)
-      notes.append("the unrolled scans compile as loops: every iteration got the same plan")
+  rolled = None if regions is None else roll(
+      rolled_jaxpr, origins, layout.eqn_constraints, layout.operand_constraints)
+  if isinstance(rolled, str):  # compiled unrolled: collectives combine across iterations
+    notes.append(rolled)
+    for node in best.graph.nodes:
+      node.region = None
+    predicted = combine.predict(best.graph, best.solution.choice, best.cost_model)
+  if rolled is None or isinstance(rolled, str):
+    if any(o is not None and o[0] == "cond" for o in origins):
+      notes.append("the conditionals compile as selections: every branch runs")
+  else:
+    layout = dataclasses.replace(layout, rolled=rolled)
+    notes.append("the step compiles with its loops and conditionals kept (the iterations of "
+                 "each unrolled scan got the same plan)")
   layout = dataclasses.replace(layout, notes=layout.notes + tuple(notes))
   return ShardPlanResult(step, layout, best.solution.objective, objectives, predicted, best)
 
 
 def _loop_notes(jaxpr, origins: list) -> list[str]:
-  """What became of the step's loops: short scans are unrolled for planning (identical
-  iterations share one solution); other loops and conditionals run replicated, as XLA
-  places them."""
-  kept = [e for e in jaxpr.eqns if e.primitive.name in ("scan", "while", "cond")]
+  """What became of the step's loops and conditionals: short scans are unrolled for
+  planning (identical iterations share one solution), conditionals planned branch by
+  branch; other loops run replicated, as XLA places them."""
   notes = []
-  if any(o is not None and (o[0] != "eqn" or len(o[1]) > 1) for o in origins):
+  unrolled = any(o is not None and (o[0] in ("xs", "ys") or any(
+      isinstance(p, int) for p in o[1][:-1:2])) for o in origins)
+  conds = {o[1] for o in origins if o is not None and o[0] == "cond"}
+  if unrolled:
     notes.append(f"scans of at most {jaxpr_util.MAX_UNROLLED_SCAN} iterations are unrolled "
                  f"for planning: each iteration is planned (identical iterations share one "
                  f"solution)")
+  if conds:
+    notes.append(f"{len(conds)} conditional(s) planned branch by branch (each branch's work "
+                 f"is priced; one runs), their outputs in one layout whichever branch runs")
+  kept = [e for e in jaxpr.eqns if e.primitive.name in ("scan", "while")]
   if kept:
     counts = collections.Counter(
         e.primitive.name + (f" of {e.params['length']} iterations" if "length" in e.params else "")
         for e in kept)
     what = ", ".join(f"{n} x {name}" for name, n in counts.items())
-    notes.append(f"planned replicated (loops and conditionals are not planned inside; XLA "
-                 f"places them): {what}")
+    notes.append(f"planned replicated (these loops are not planned inside; XLA places "
+                 f"them): {what}")
   return notes
 
 
@@ -412,8 +422,9 @@ def _validated_constraint(pattern, pspec, leaf, lmesh) -> DimAxes:
 
 
 def _loop_regions(origins: list) -> list | None:
-  """Per equation of the unrolled jaxpr, the loop iteration it runs in once the step is
-  compiled with its scans rolled (None: outside loops); None if nothing was unrolled."""
+  """Per equation of the unrolled jaxpr, the loop iteration or conditional branch it runs
+  in once the step is compiled with its scans rolled (None: outside them); None if
+  nothing was unrolled."""
   regions, any_loop = [], False
   for origin in origins:
     if origin is None or (origin[0] == "eqn" and len(origin[1]) == 1):

@@ -5,6 +5,8 @@ equations are planned, and identical iterations share one solution (``repeats.py
 When every iteration of a scan got the same constraints, the step need not be compiled
 unrolled: the scan runs as a loop whose body carries those constraints, so a stack of
 layers written with ``nn.scan`` compiles as one loop body, as it would without jaxdist.
+Conditionals, planned branch by branch with their outputs as selections, compile as
+conditionals (``lax.switch``) whose branches carry their constraints: one branch runs.
 
 The constraints are keyed by where they apply in the rolled jaxpr (calls inlined, scans
 kept):
@@ -12,7 +14,9 @@ kept):
 - ``("out", path)`` / ``("in", path)``: outputs / operands of the equation at ``path``
   (``(i,)`` at the top level, ``(i, j)`` for equation ``j`` of scan ``i``'s body, ...);
 - ``("xs", path, q)``: the slice of the ``q``-th scanned operand one iteration reads;
-- ``("ys", path, q)``: the stacked ``q``-th per-iteration result.
+- ``("ys", path, q)``: the stacked ``q``-th per-iteration result;
+- ``("cond", path, q)``: the ``q``-th output of the conditional at ``path``, whose branch
+  ``b``'s equations are at ``path[:-1] + ((path[-1], b), j)``.
 """
 
 from __future__ import annotations
@@ -87,6 +91,8 @@ def rolled_fn(rolled: Rolled, mesh):
       invals = constrain([jaxpr_util.read(env, v) for v in eqn.invars], ("in", here))
       if eqn.primitive.name == "scan" and here in rolled.scans:
         outs = scan(eqn, invals, here)
+      elif eqn.primitive.name == "cond":  # always written out for planning
+        outs = cond(eqn, invals, here)
       else:
         outs = jaxpr_util.bind_eqn(eqn, invals)
       for v, x in zip(eqn.outvars, constrain(outs, ("out", here))):
@@ -111,6 +117,20 @@ def rolled_fn(rolled: Rolled, mesh):
                                invals[n_consts + n_carry:], length=p["length"],
                                reverse=p["reverse"], unroll=p["unroll"])
     return [*carry, *(one(y, ("ys", here, q)) for q, y in enumerate(ys))]
+
+  def cond(eqn, invals, here):
+    def branch(b, closed):
+      def run_branch(*operands):
+        env = dict(zip(closed.jaxpr.constvars, closed.consts))
+        env.update(zip(closed.jaxpr.invars, operands))
+        evaluate(closed.jaxpr, env, here[:-1] + ((here[-1], b),))
+        return [jaxpr_util.read(env, v) for v in closed.jaxpr.outvars]
+      return run_branch
+
+    with eqn.ctx.manager:
+      outs = jax.lax.switch(invals[0], [branch(b, c) for b, c in
+                                        enumerate(eqn.params["branches"])], *invals[1:])
+    return [one(y, ("cond", here, q)) for q, y in enumerate(outs)]
 
   def run(*leaves):
     closed = rolled.closed

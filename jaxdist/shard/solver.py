@@ -17,14 +17,18 @@ checked liveness point ``t``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
+import logging
 import warnings
 
 import numpy as np
 
 from jaxdist import errors
 from jaxdist.shard.graph import StrategyGraph
+
+log = logging.getLogger("jaxdist.plan")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +128,115 @@ def tie(graph: StrategyGraph, memory: MemoryConstraint | None,
   return reduced, memory, of
 
 
+def fold_free_leaves(graph: StrategyGraph, memory: MemoryConstraint | None):
+  """The problem without the groups whose choice follows from one neighbour's at no cost.
+
+  A group ``g`` folds into ``h`` when its only edge joins it to ``h`` and, for each
+  choice ``t`` of ``h``, some choice ``s`` of ``g`` costs nothing (no own cost, no
+  resharding on the edge, no collective) and needs no more bytes than any other choice
+  at every checked liveness point: then ``s`` is as good as any, and ``g`` takes it
+  whatever ``h`` takes. (A value filled from a scalar and read by one elementwise
+  operation, say the zero updates of an ``optax.apply_if_finite`` branch: any layout is
+  a local fill. Such free groups make the branch and bound much slower.) Folding repeats
+  while groups fold (a chain folds into its end).
+
+  Returns None when nothing folds, else the reduced problem (folded groups left with
+  one choice) and ``expand(choice)``, the full choice from a reduced one.
+  """
+  sizes = list(graph.group_sizes)
+  active_members: dict = collections.defaultdict(set)  # group → choices / edge cells with a collective
+  for term in (graph.combine.terms if graph.combine is not None else ()):
+    for where, _ in term.members:
+      if where[0] == "x":
+        active_members[where[1]].add(("x", where[2]))
+      else:
+        active_members[where[1]].add(("e", where[1], where[2], where[3], where[4]))
+        active_members[where[2]].add(("e", where[1], where[2], where[3], where[4]))
+  rows_of = collections.defaultdict(list)
+  if memory is not None:
+    for r, groups in enumerate(memory.per_group):
+      for g in groups:
+        rows_of[g].append(r)
+  edges = dict(graph.edge_costs)
+  edges_of = collections.defaultdict(set)
+  for key in edges:
+    edges_of[key[0]].add(key)
+    edges_of[key[1]].add(key)
+  costs = [c for c in graph.group_costs]
+  picks: dict[int, tuple[int, np.ndarray]] = {}  # folded g → (h, g's choice per h choice)
+  queue = [g for g in range(len(sizes)) if sizes[g] > 1 and len(edges_of[g]) == 1]
+  while queue:
+    g = queue.pop()
+    if g in picks or len(edges_of[g]) != 1 or sizes[g] <= 1:
+      continue
+    (key,) = edges_of[g]
+    h = key[1] if key[0] == g else key[0]
+    if h == g:
+      continue
+    cost = edges[key] if key[0] == g else edges[key].T  # g's choices × h's
+    pick = []
+    for t in range(sizes[h]):
+      free = [s for s in range(sizes[g]) if costs[g][s] == 0 and cost[s, t] == 0
+              and ("x", s) not in active_members[g]
+              and (("e", *key, s, t) if key[0] == g else ("e", *key, t, s))
+              not in active_members[g]]
+      free = [s for s in free if all(memory.per_group[r][g][s] <= memory.per_group[r][g].min()
+                                     for r in rows_of[g])]
+      if not free:
+        break
+      pick.append(free[0])
+    if len(pick) != sizes[h]:
+      continue
+    picks[g] = (h, np.array(pick))
+    del edges[key]
+    edges_of[g].discard(key)
+    edges_of[h].discard(key)
+    if len(edges_of[h]) == 1:
+      queue.append(h)
+  if not picks:
+    return None
+  log.info("folded %d free group(s) into their neighbours", len(picks))
+  # Each folded group's choice as a function of the choice of the group it ends in.
+  def root(g):
+    if g not in picks:
+      return g, np.arange(sizes[g])
+    h, pick = picks[g]
+    r, of_h = root(h)
+    return r, pick[of_h]
+
+  roots = {g: root(g) for g in picks}
+  reduced_sizes = [1 if g in picks else n for g, n in enumerate(sizes)]
+  reduced_costs = [np.zeros(1) if g in picks else c for g, c in enumerate(costs)]
+  # Folded groups have no collective at the choices they take: their members drop out.
+  # Their bytes move to the group they end in.
+  combine = graph.combine
+  if combine is not None:
+    combine = dataclasses.replace(combine, terms=tuple(
+        dataclasses.replace(term, members=tuple(
+            (w, b) for w, b in term.members
+            if not (w[1] in picks or (w[0] == "e" and w[2] in picks))))
+        for term in combine.terms))
+  reduced = StrategyGraph([], reduced_sizes, reduced_costs, edges, {}, (), combine=combine)
+  if memory is not None:
+    per_group = []
+    for groups in memory.per_group:
+      merged: dict[int, np.ndarray] = {}
+      for g, v in groups.items():
+        if g in picks:
+          r, of_r = roots[g]
+          merged[r] = merged.get(r, 0) + v[of_r]
+        else:
+          merged[g] = merged.get(g, 0) + v
+      per_group.append(merged)
+    memory = MemoryConstraint(tuple(per_group), memory.constant)
+
+  def expand(choice):
+    return tuple(int(roots[g][1][choice[roots[g][0]]]) if g in picks else c
+                 for g, c in enumerate(choice))
+
+  return reduced, memory, expand
+
+
 def solve_ilp(graph: StrategyGraph, memory: MemoryConstraint | None = None,
               budget: float | None = None, time_limit_s: float | None = None,
               ties: list[int] | None = None) -> Solution:
@@ -143,6 +256,12 @@ def solve_ilp(graph: StrategyGraph, memory: MemoryConstraint | None = None,
     reduced, reduced_memory, of = tie(graph, memory, ties)
     solution = solve_ilp(reduced, reduced_memory, budget, time_limit_s)
     choice = tuple(solution.choice[of[g]] for g in range(len(graph.group_sizes)))
+    return Solution(choice, objective_of(graph, choice), solution.status)
+  folded = fold_free_leaves(graph, memory)
+  if folded is not None:
+    reduced, reduced_memory, expand = folded
+    solution = solve_ilp(reduced, reduced_memory, budget, time_limit_s)
+    choice = expand(solution.choice)
     return Solution(choice, objective_of(graph, choice), solution.status)
   # Imported here: cvxpy takes ~1.4 s to import, which methods without an ILP never need.
   import cvxpy as cp
