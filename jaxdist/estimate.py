@@ -434,7 +434,8 @@ def _planned_flops(plan) -> float:
       continue
     strategy = node.strategies[choice[node.group]]
     out_shards = max((num_shards(s, sizes) for s in strategy.out_specs), default=1)
-    flops += jaxpr_util.eqn_flops(node.eqn) / _compute_shards(strategy, sizes, out_shards)
+    flops += (node.weight * jaxpr_util.eqn_flops(node.eqn)
+              / _compute_shards(strategy, sizes, out_shards))
   return flops
 
 

@@ -166,12 +166,13 @@ def inline_calls(closed: jex.ClosedJaxpr, primitives: Sequence[str] = CALLS) -> 
   return _inline(closed, primitives, deep=False)
 
 
-def rolled_and_unrolled(closed: jex.ClosedJaxpr):
+def rolled_and_unrolled(closed: jex.ClosedJaxpr, long_scans: bool = False):
   """For the shard planner: (``closed`` with :data:`PLAN_CALLS` inlined, also inside scan
   bodies; that with its short scans unrolled, which is ``inline_calls(closed,
-  PLAN_INLINE)``; and per unrolled equation its origin, see :func:`unroll_scans`)."""
+  PLAN_INLINE)``, and with ``long_scans`` the longer ones as stand-ins; per unrolled
+  equation its origin and weight, see :func:`unroll_scans`)."""
   rolled = _inline(closed, PLAN_CALLS, deep=True)
-  return (rolled, *unroll_scans(rolled))
+  return (rolled, *unroll_scans(rolled, long_scans))
 
 
 def _inline(closed: jex.ClosedJaxpr, primitives: Sequence[str], deep: bool) -> jex.ClosedJaxpr:
@@ -220,7 +221,7 @@ def _inline(closed: jex.ClosedJaxpr, primitives: Sequence[str], deep: bool) -> j
   return jex.ClosedJaxpr(jaxpr, consts)
 
 
-def unroll_scans(closed: jex.ClosedJaxpr):
+def unroll_scans(closed: jex.ClosedJaxpr, long_scans: bool = False):
   """``closed`` with every scan of at most :data:`MAX_UNROLLED_SCAN` iterations written
   out once per iteration, each iteration reading its slice of the scanned operands and
   the per-iteration results stacked, and every conditional written out branch by branch,
@@ -235,21 +236,30 @@ def unroll_scans(closed: jex.ClosedJaxpr):
     the scan at ``path``; ``("ys", path, q)``: the stacking of its ``q``-th result;
   - ``("cond", path, q)``: the selection of the conditional's ``q``-th output;
   - None: a reshape inside that stacking.
+
+  With ``long_scans``, a longer scan is written out as two of its iterations (the
+  second reads the first one's carry, so a plan that keeps the carry's layout is seen to
+  loop), its per-iteration results broadcast from the last one to the stacked shape:
+  a stand-in to plan on, not to evaluate. Its equations' weight (the third result, per
+  equation) is ``length / 2``: how many times each runs per step.
   """
-  def short(e):
-    return e.primitive.name == "cond" or (e.primitive.name == "scan"
-                                          and e.params["length"] <= MAX_UNROLLED_SCAN)
+  def flattened(e):
+    return e.primitive.name == "cond" or (e.primitive.name == "scan" and (
+        long_scans or e.params["length"] <= MAX_UNROLLED_SCAN))
 
-  if not any(short(e) for e in closed.jaxpr.eqns):
-    return closed, [("eqn", (i,)) for i in range(len(closed.jaxpr.eqns))]
-  constvars, consts, eqns, origins = list(closed.jaxpr.constvars), list(closed.consts), [], []
+  if not any(flattened(e) for e in closed.jaxpr.eqns):
+    n = len(closed.jaxpr.eqns)
+    return closed, [("eqn", (i,)) for i in range(n)], [1.0] * n
+  constvars, consts = list(closed.jaxpr.constvars), list(closed.consts)
+  eqns, origins, weights = [], [], []
 
-  def emit(jaxpr, sub: dict, fresh: bool, path: tuple) -> None:
+  def emit(jaxpr, sub: dict, fresh: bool, path: tuple, weight: float = 1.0) -> None:
     for i, eqn in enumerate(jaxpr.eqns):
       invars = [v if isinstance(v, jex.Literal) else sub.get(v, v) for v in eqn.invars]
-      if short(eqn):
+      if flattened(eqn):
         flatten = _unrolled_scan if eqn.primitive.name == "scan" else _branches
-        outs = flatten(eqn, invars, path + (i,), emit, constvars, consts, eqns, origins)
+        outs = flatten(eqn, invars, path + (i,), emit, constvars, consts, eqns, origins, weight)
+        weights.extend([weight] * (len(eqns) - len(weights)))  # a conditional's selections
         sub.update((o, v) for o, v in zip(eqn.outvars, outs) if not isinstance(o, jex.DropVar))
         continue
       outvars = eqn.outvars
@@ -258,21 +268,25 @@ def unroll_scans(closed: jex.ClosedJaxpr):
         sub.update(zip(eqn.outvars, outvars))
       eqns.append(eqn.replace(invars=invars, outvars=outvars))
       origins.append(("eqn", path + (i,)))
+      weights.append(weight)
 
   top: dict = {}
   emit(closed.jaxpr, top, False, ())
   outvars = [v if isinstance(v, jex.Literal) else top.get(v, v) for v in closed.jaxpr.outvars]
   jaxpr = jex.Jaxpr(constvars, closed.jaxpr.invars, outvars, eqns, closed.jaxpr.effects,
                     closed.jaxpr.debug_info)
-  return jex.ClosedJaxpr(jaxpr, consts), origins
+  return jex.ClosedJaxpr(jaxpr, consts), origins, weights
 
 
 def _unrolled_scan(eqn, invars: list, path: tuple, emit: Callable, constvars: list,
-                   consts: list, eqns: list, origins: list) -> list:
-  """Emits a scan's iterations (``emit(jaxpr, substitution, fresh, path)`` appends a
-  body's equations) and returns the atoms of the scan's outputs."""
+                   consts: list, eqns: list, origins: list, weight: float) -> list:
+  """Emits a scan's iterations (``emit(jaxpr, substitution, fresh, path, weight)``
+  appends a body's equations) and returns the atoms of the scan's outputs; a scan
+  longer than :data:`MAX_UNROLLED_SCAN` as the two-iteration stand-in of
+  :func:`unroll_scans`."""
   p = eqn.params
   body, length, n_consts, n_carry = p["jaxpr"], p["length"], p["num_consts"], p["num_carry"]
+  stand_in = length > MAX_UNROLLED_SCAN
   inner_consts = {}
   for v, c in zip(body.jaxpr.constvars, body.consts):  # one constant per scan, not per step
     inner_consts[v] = jex.Var(v.aval)
@@ -281,31 +295,37 @@ def _unrolled_scan(eqn, invars: list, path: tuple, emit: Callable, constvars: li
   scan_consts, carry = invars[:n_consts], invars[n_consts:n_consts + n_carry]
   xs = invars[n_consts + n_carry:]
 
-  def helper(closed, operands, origin):
+  def helper(closed, operands, origin, w):
     inner = dict(zip(closed.jaxpr.invars, operands))
     start = len(eqns)
-    emit(closed.jaxpr, inner, True, ())
+    emit(closed.jaxpr, inner, True, (), w)
     origins[start:] = [None] * (len(eqns) - start - 1) + [origin]
     return [v if isinstance(v, jex.Literal) else inner.get(v, v) for v in closed.jaxpr.outvars]
 
-  ys = [[None] * length for _ in body.jaxpr.outvars[n_carry:]]
-  for r in (reversed(range(length)) if p["reverse"] else range(length)):
-    sliced = [helper(_index_jaxpr(x.aval, r), [x], ("xs", path, r, q))[0]
+  steps = list(reversed(range(length)) if p["reverse"] else range(length))
+  inner_weight = weight * (length / 2 if stand_in else 1)
+  ys = [{} for _ in body.jaxpr.outvars[n_carry:]]
+  for r in steps[:2] if stand_in else steps:
+    sliced = [helper(_index_jaxpr(x.aval, r), [x], ("xs", path, r, q), inner_weight)[0]
               for q, x in enumerate(xs)]
     inner = dict(inner_consts)
     inner.update(zip(body.jaxpr.invars, [*scan_consts, *carry, *sliced]))
-    emit(body.jaxpr, inner, True, path + (r,))
+    emit(body.jaxpr, inner, True, path + (r,), inner_weight)
     outs = [v if isinstance(v, jex.Literal) else inner.get(v, v) for v in body.jaxpr.outvars]
     carry = outs[:n_carry]
     for y, v in zip(ys, outs[n_carry:]):
       y[r] = v
-  stacked = [helper(_stack_jaxpr(y[0].aval, length), y, ("ys", path, q))[0]
-             for q, y in enumerate(ys)]
+  if stand_in:
+    stacked = [helper(_broadcast_jaxpr(y[steps[1]].aval, length), [y[steps[1]]],
+                      ("ys", path, q), weight)[0] for q, y in enumerate(ys)]
+  else:
+    stacked = [helper(_stack_jaxpr(y[0].aval, length), [y[r] for r in range(length)],
+                      ("ys", path, q), weight)[0] for q, y in enumerate(ys)]
   return [*carry, *stacked]
 
 
 def _branches(eqn, invars: list, path: tuple, emit: Callable, constvars: list,
-              consts: list, eqns: list, origins: list) -> list:
+              consts: list, eqns: list, origins: list, weight: float) -> list:
   """Emits every branch of a conditional on its operands (``emit`` as in
   :func:`_unrolled_scan`), then per output a ``select_n`` of the branches' results on
   the branch index (which ``cond`` keeps in range); returns the selections."""
@@ -318,7 +338,7 @@ def _branches(eqn, invars: list, path: tuple, emit: Callable, constvars: list,
       constvars.append(inner[v])
       consts.append(c)
     inner.update(zip(branch.jaxpr.invars, operands))
-    emit(branch.jaxpr, inner, True, path[:-1] + ((path[-1], b), 0))
+    emit(branch.jaxpr, inner, True, path[:-1] + ((path[-1], b), 0), weight)
     results.append([v if isinstance(v, jex.Literal) else inner.get(v, v)
                     for v in branch.jaxpr.outvars])
   outs = []
@@ -335,6 +355,14 @@ def _index_jaxpr(aval, r: int) -> jex.ClosedJaxpr:
   """``x[r]`` of a value of ``aval`` (a slice and a squeeze)."""
   return jax.make_jaxpr(lambda x: jax.lax.index_in_dim(x, r, keepdims=False))(
       jax.ShapeDtypeStruct(aval.shape, aval.dtype))
+
+
+@functools.lru_cache(maxsize=1024)
+def _broadcast_jaxpr(aval, length: int) -> jex.ClosedJaxpr:
+  """``length`` copies of a value of ``aval`` along a new leading dim."""
+  return jax.make_jaxpr(lambda y: jax.lax.broadcast_in_dim(
+      y, (length, *aval.shape), tuple(range(1, 1 + len(aval.shape)))))(
+          jax.ShapeDtypeStruct(aval.shape, aval.dtype))
 
 
 @functools.lru_cache(maxsize=1024)

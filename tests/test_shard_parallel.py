@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxdist as jd
 from jaxdist import errors, models
+from jaxdist.shard import planner
 from jaxdist.shard.graph import Node, StrategyGraph
 from jaxdist.shard.solver import (MemoryConstraint, fold_free_leaves, solve_brute_force,
                                   solve_ilp)
@@ -194,11 +195,13 @@ def test_control_flow_and_unusual_ops_run_and_match_serial():
   assert_trees_close(step(w, batch), expected, rtol=1e-4, atol=1e-6)
   notes = " ".join(step.get_executable(w, batch).plan.notes)
   assert "scans of at most 128 iterations are unrolled" in notes, notes
-  # The long loop (forward and backward) stays as XLA places it; the conditional
-  # (forward and backward) is planned branch by branch.
-  assert "2 x scan of 200 iterations" in notes and "x cond" not in notes, notes
+  # The long loop (forward and backward) is planned on two of its iterations, the
+  # conditional (forward and backward) branch by branch; both stay loops / conditionals.
+  assert "planned on two of their iterations" in notes, notes
+  assert "2 x scan of 200 iterations" in notes and "planned replicated" not in notes, notes
   assert "2 conditional(s) planned branch by branch" in notes, notes
-  assert " conditional(" in step.get_executable(w, batch).get_hlo_text()
+  hlo = step.get_executable(w, batch).get_hlo_text()
+  assert " conditional(" in hlo and " while(" in hlo
 
 
 def test_partition_constraints_pin_leaves():
@@ -511,3 +514,61 @@ def test_conditionals_are_planned_inside():
   first = to_host(jax.tree.map(jnp.copy, (p1, n1)))  # the next call donates p1
   assert_trees_close([first, to_host(f(p1, bad))], [to_host(e) for e in expected],
                      rtol=1e-5, atol=1e-6)
+
+
+def _rnn_step(params, batch):
+  """An RNN whose time loop is one lax.scan over the sequence."""
+  def loss_fn(p):
+    xs = jnp.swapaxes(batch["x"], 0, 1) @ p["w_in"]
+
+    def cell(h, x):
+      h = jnp.tanh(h @ p["w_h"] + x)
+      return h, h
+
+    _, hs = jax.lax.scan(cell, jnp.zeros((batch["x"].shape[0], p["w_h"].shape[0])), xs)
+    return jnp.mean((hs.mean(0) @ p["w_out"] - batch["y"]) ** 2)
+
+  loss, grads = jax.value_and_grad(loss_fn)(params)
+  return jax.tree.map(lambda a, b: a - 0.1 * b, params, grads), loss
+
+
+def test_long_scans_are_planned_on_two_iterations(monkeypatch):
+  """An RNN over 160 time steps: too long to unroll, its scan is planned on two of its
+  iterations standing for all (their costs weighted by 80). The batch stays split inside
+  the loop, so a device holds no more than under DataParallel (the loop planned
+  replicated held 2.3x as much), the predicted collectives match the compiled loop, and
+  the step equals serial. If the two iterations were planned differently (the stand-in
+  cannot compile unrolled) the long scan is planned again as XLA places it."""
+  keys = jax.random.split(jax.random.key(0), 5)
+  params = {"w_in": jax.random.normal(keys[0], (16, 64)) / 4,
+            "w_h": jax.random.normal(keys[1], (64, 64)) / 8,
+            "w_out": jax.random.normal(keys[2], (64, 8)) / 8}
+  batch = {"x": jax.random.normal(keys[3], (32, 160, 16)),
+           "y": jax.random.normal(keys[4], (32, 8))}
+  expected = jax.jit(_rnn_step)(params, batch)
+  dp = jd.parallelize(_rnn_step, method=jd.DataParallel()).get_executable(params, batch)
+  method = jd.ShardParallel(logical_mesh_shape=(8,), auto_sharding_option=jd.AutoShardingOption(
+      plan_cache=False))
+  f = jd.parallelize(_rnn_step, method=method, donate_argnums=())
+  exe = f.get_executable(params, batch)
+  notes = " ".join(exe.plan.notes)
+  assert "planned on two of their iterations" in notes and "2 x scan of 160" in notes, notes
+  assert " while(" in exe.get_hlo_text()
+  assert exe.get_total_allocation_size() <= 1.1 * dp.get_total_allocation_size()
+  assert not any("DIFFERS" in line for line in exe.check_communication()), (
+      exe.check_communication())
+  assert_trees_close(f(params, batch), expected, rtol=1e-5, atol=1e-6)
+
+  real_roll = planner.roll
+
+  def roll_fails_with_stand_ins(rolled, origins, *constraints):
+    if any(o is not None and o[0] == "xs" for o in origins):  # the stand-in's slices
+      return "iterations of the scan at equation 3 are planned differently"
+    return real_roll(rolled, origins, *constraints)
+
+  monkeypatch.setattr(planner, "roll", roll_fails_with_stand_ins)
+  f = jd.parallelize(_rnn_step, method=method, donate_argnums=())
+  notes = " ".join(f.get_executable(params, batch).plan.notes)
+  assert "planned again as XLA places them" in notes, notes
+  assert "planned replicated" in notes and "2 x scan of 160" in notes, notes
+  assert_trees_close(f(params, batch), expected, rtol=1e-5, atol=1e-6)

@@ -128,19 +128,23 @@ class Members:
   def __init__(self, cost_model: CostModel):
     self._cost_model = cost_model
     self._members = defaultdict(list)
+    self._weights = {}
     self._kinds = cost_model.combining.kinds
 
-  def add(self, collective, phase: int, where, region=None) -> None:
+  def add(self, collective, phase: int, where, region=None, weight: float = 1.0) -> None:
     """``region``: the loop iteration the collective runs in (None: outside loops); XLA
-    combines collectives of one loop body only with each other."""
+    combines collectives of one loop body only with each other. ``weight``: how many
+    times that region runs per step (its combined collectives' α counts that often)."""
     kind, axes, nbytes = collective
     if kind in self._kinds:
       self._members[kind, tuple(axes), phase, region].append((where, nbytes))
+      self._weights[kind, tuple(axes), phase, region] = weight
 
   def terms(self) -> Terms:
     combining = self._cost_model.combining
-    return Terms(tuple(Term(kind, axes, phase, self._cost_model.latency(axes), tuple(members))
-                       for (kind, axes, phase, _), members in self._members.items()
+    return Terms(tuple(Term(kind, axes, phase, self._weights[kind, axes, phase, region]
+                            * self._cost_model.latency(axes), tuple(members))
+                       for (kind, axes, phase, region), members in self._members.items()
                        if self._cost_model.latency(axes) > 0),
                  combining.threshold_bytes, combining.threshold_count)
 
@@ -174,7 +178,7 @@ def predict(graph, choice, cost_model: CostModel,
   for kind, axes in sorted(keys):
     entries = [(k, b) for k, cs in at_node.items() for c_kind, c_axes, b in cs
                if (c_kind, c_axes) == (kind, axes)]
-    total = sum(b for _, b in entries)
+    total = sum(b * graph.nodes[k].weight for k, b in entries)
     if kind in combining.kinds:
       count = 0
       regions = defaultdict(list)  # a loop body's collectives combine only with each other
@@ -187,12 +191,15 @@ def predict(graph, choice, cost_model: CostModel,
         chain = np.zeros(len(graph.nodes), dtype=np.int64)
         for k in range(len(graph.nodes)):
           chain[k] = max((chain[p] for p in preds[k]), default=0) + weight[k]
-        count += max(int(chain.max()), math.ceil(sum(b for _, b in members)
-                                                 / combining.threshold_bytes),
-                     math.ceil(len(members) / combining.threshold_count))
+        count += graph.nodes[members[0][0]].weight * max(
+            int(chain.max()), math.ceil(sum(b for _, b in members) / combining.threshold_bytes),
+            math.ceil(len(members) / combining.threshold_count))
     else:
-      count = sum(repeat(k, kind, axes) for k, _ in entries)
+      count = sum(repeat(k, kind, axes) * graph.nodes[k].weight for k, _ in entries)
     entry = out.setdefault(kind, {"count": 0, "result_bytes": 0.0})
     entry["count"] += count
     entry["result_bytes"] += total
+  for entry in out.values():  # a whole number unless a loop's length is odd
+    if float(entry["count"]).is_integer():
+      entry["count"] = int(entry["count"])
   return out

@@ -42,6 +42,7 @@ class Node:
   eqn: object = None
   input_index: int | None = None
   region: object = None  # the loop iteration it runs in (see build_graph's regions)
+  weight: float = 1.0  # how many times it runs per step (see build_graph's weights)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +117,7 @@ class StrategyGraph:
 def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimAxes]] | None = None,
                 tied_outputs: dict[int, int] | None = None,
                 batch_inputs: frozenset[int] = frozenset(),
-                regions: list | None = None) -> StrategyGraph:
+                regions: list | None = None, weights: list | None = None) -> StrategyGraph:
   """Builds the strategy graph of an (inlined) jaxpr.
 
   Args:
@@ -128,6 +129,9 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
     batch_inputs: input positions holding the batch.
     regions: per equation, the loop iteration it runs in once compiled (an unrolled
       scan compiled as a loop) or None; collectives combine only within one.
+    weights: per equation, how many times it runs per step (a long scan's stand-in
+      iterations, see ``jaxpr_util.unroll_scans``): its costs, the resharding of its
+      operands and its collectives count that many times.
   """
   sizes = cost_model.axis_sizes
   nodes: list[Node] = []
@@ -189,6 +193,8 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
       node_id = new_node(eqn.primitive.name, rule, eqn)
     if regions is not None:
       nodes[node_id].region = regions[index]
+    if weights is not None:
+      nodes[node_id].weight = weights[index]
     for pos, v in enumerate(eqn.outvars):
       if not isinstance(v, jex.DropVar):
         producer[v] = (node_id, pos)
@@ -225,17 +231,17 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
   members = combine.Members(cost_model)
   for k, node in enumerate(nodes):
     for t, s in enumerate(node.strategies):
-      group_costs[node.group][t] += s.cost
+      group_costs[node.group][t] += s.cost * node.weight
       for c in s.collectives:
-        members.add(c, phase[k], ("x", node.group, t), node.region)
+        members.add(c, phase[k], ("x", node.group, t), node.region, node.weight)
     if node.eqn is None:
       continue
     if fused[k]:
       continue
     out_bytes = [nbytes(v) for v in node.eqn.outvars]
     for t, s in enumerate(node.strategies):
-      group_costs[node.group][t] += sum(cost_model.write(b / num_shards(spec, sizes))
-                                        for b, spec in zip(out_bytes, s.out_specs))
+      group_costs[node.group][t] += node.weight * sum(
+          cost_model.write(b / num_shards(spec, sizes)) for b, spec in zip(out_bytes, s.out_specs))
   cache = {}
   for flow in flows:
     _add_edge(group_costs, edge_costs, cost_model, members, nodes, flow,
@@ -277,6 +283,7 @@ def _add_edge(group_costs, edge_costs, cost_model, members, nodes, flow: Flow, p
   dst_group = nodes[flow.dst].group
   src_specs = [s.out_specs[flow.pos] for s in src.strategies]
   same = src.group == dst_group
+  weight = 1.0 if flow.tied else nodes[flow.dst].weight  # the operand is read that often
   matrix = np.zeros((len(src_specs), len(required)))
   for a, have in enumerate(src_specs):
     for b, want in enumerate(required):
@@ -290,7 +297,8 @@ def _add_edge(group_costs, edge_costs, cost_model, members, nodes, flow: Flow, p
       region = None if flow.tied else nodes[flow.dst].region
       for c in collectives:
         members.add(c, phase, ("x", dst_group, b) if same else ("e", src.group, dst_group, a, b),
-                    region)
+                    region, weight)
+  matrix *= weight
   if same:
     group_costs[dst_group] += np.diag(matrix)
     return

@@ -119,9 +119,15 @@ class ShardPlanResult:
   mesh_plan: MeshPlan
 
 
-def plan_shard_parallel(method: m.ShardParallel, step: TracedStep,
-                        base: LogicalMesh) -> ShardPlanResult:
-  """Searches the mesh shapes (or applies a saved plan) and returns the cheapest plan."""
+def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: LogicalMesh,
+                        long_scans: bool = True) -> ShardPlanResult:
+  """Searches the mesh shapes (or applies a saved plan) and returns the cheapest plan.
+
+  ``long_scans``: plan scans longer than ``jaxpr_util.MAX_UNROLLED_SCAN`` on their
+  two-iteration stand-ins (with one micro-batch; they compile as loops), else leave them
+  to XLA.
+  """
+  given_step = step
   opt = method.options
   k = method.num_micro_batches or 1
   if k > 1:
@@ -150,7 +156,9 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep,
           f"{base.num_devices}.")
   # Calls are inlined; jaxdist.grad's marker stays (the strategy graph sees through it)
   # so that gradient accumulation can split the planned step there.
-  rolled_jaxpr, inlined, origins = jaxpr_util.rolled_and_unrolled(step.closed_jaxpr)
+  rolled_jaxpr, inlined, origins, weights = jaxpr_util.rolled_and_unrolled(
+      step.closed_jaxpr, long_scans=long_scans and k == 1)
+  weights = weights if any(w != 1 for w in weights) else None
   found = jaxpr_util.find_eqns(inlined.jaxpr, jaxpr_util.IDENTITY_MARKER)
   step = dataclasses.replace(step, closed_jaxpr=inlined,
                              marker_index=found[0] if len(found) == 1 else None)
@@ -166,7 +174,7 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep,
       shown.describe(f"ShardParallel: solving mesh {name}")
       lmesh = mesh_for(shape, base, method.plan.axis_names if method.plan is not None else None)
       try:
-        plan = _plan_one(step, lmesh, opt, pinned, k, regions)
+        plan = _plan_one(step, lmesh, opt, pinned, k, regions, weights)
       except errors.InfeasiblePlanError as e:
         infeasible.append((shape, e))
         continue
@@ -189,7 +197,7 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep,
     notes.append("planned replicated for lack of a sharding rule (XLA places them, so the "
                  "collectives around them may differ from the prediction): "
                  + ", ".join(f"{n} x {name}" for name, n in sorted(unknown.items())))
-  notes += _loop_notes(inlined.jaxpr, origins)
+  notes += _loop_notes(rolled_jaxpr, weights is not None)
   notes.append(f"chosen: {'x'.join(map(str, best.lmesh.shape))}, "
                + (f"{why} (no shape search)" if why else
                   f"the lowest predicted step time of {len(shapes)} shapes searched"))
@@ -200,6 +208,13 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep,
                  f"1/{k} of the batch each); gradients are reduced once, after the loop")
   rolled = None if regions is None else roll(
       rolled_jaxpr, origins, layout.eqn_constraints, layout.operand_constraints)
+  if isinstance(rolled, str) and weights is not None:
+    # A long scan's stand-in is not the scan: it cannot compile unrolled.
+    result = plan_shard_parallel(method, given_step, base, long_scans=False)
+    return dataclasses.replace(result, layout=dataclasses.replace(
+        result.layout, notes=result.layout.notes + (
+            f"{rolled}; so the scans longer than {jaxpr_util.MAX_UNROLLED_SCAN} iterations "
+            f"were planned again as XLA places them",)))
   if isinstance(rolled, str):  # compiled unrolled: collectives combine across iterations
     notes.append(rolled)
     for node in best.graph.nodes:
@@ -216,29 +231,44 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep,
   return ShardPlanResult(step, layout, best.solution.objective, objectives, predicted, best)
 
 
-def _loop_notes(jaxpr, origins: list) -> list[str]:
-  """What became of the step's loops and conditionals: short scans are unrolled for
-  planning (identical iterations share one solution), conditionals planned branch by
-  branch; other loops run replicated, as XLA places them."""
+def _loop_notes(rolled: jex.ClosedJaxpr, stand_ins: bool) -> list[str]:
+  """What became of the step's loops and conditionals (``rolled``: the step with calls
+  inlined; ``stand_ins``: its long scans were planned on stand-ins)."""
+  counts = collections.Counter()
+
+  def walk(jaxpr):
+    for e in jaxpr.eqns:
+      name = e.primitive.name
+      if name == "scan":
+        n = e.params["length"]
+        counts["short" if n <= jaxpr_util.MAX_UNROLLED_SCAN else f"scan of {n} iterations"] += 1
+        if n <= jaxpr_util.MAX_UNROLLED_SCAN or stand_ins:
+          walk(e.params["jaxpr"].jaxpr)
+      elif name == "cond":
+        counts["cond"] += 1
+        for branch in e.params["branches"]:
+          walk(branch.jaxpr)
+      elif name == "while":
+        counts["while"] += 1
+
+  walk(rolled.jaxpr)
   notes = []
-  unrolled = any(o is not None and (o[0] in ("xs", "ys") or any(
-      isinstance(p, int) for p in o[1][:-1:2])) for o in origins)
-  conds = {o[1] for o in origins if o is not None and o[0] == "cond"}
-  if unrolled:
+  if counts.pop("short", 0):
     notes.append(f"scans of at most {jaxpr_util.MAX_UNROLLED_SCAN} iterations are unrolled "
                  f"for planning: each iteration is planned (identical iterations share one "
                  f"solution)")
-  if conds:
-    notes.append(f"{len(conds)} conditional(s) planned branch by branch (each branch's work "
-                 f"is priced; one runs), their outputs in one layout whichever branch runs")
-  kept = [e for e in jaxpr.eqns if e.primitive.name in ("scan", "while")]
+  if n := counts.pop("cond", 0):
+    notes.append(f"{n} conditional(s) planned branch by branch (each branch's work is priced; "
+                 f"one runs), their outputs in one layout whichever branch runs")
+  long = {k: n for k, n in counts.items() if k.startswith("scan")}
+  kept = {k: n for k, n in counts.items() if k == "while" or not stand_ins}
+  if long and stand_ins:
+    notes.append("planned on two of their iterations, each weighted by half the length "
+                 "(the plan repeats in every iteration): "
+                 + ", ".join(f"{n} x {k}" for k, n in long.items()))
   if kept:
-    counts = collections.Counter(
-        e.primitive.name + (f" of {e.params['length']} iterations" if "length" in e.params else "")
-        for e in kept)
-    what = ", ".join(f"{n} x {name}" for name, n in counts.items())
-    notes.append(f"planned replicated (these loops are not planned inside; XLA places "
-                 f"them): {what}")
+    notes.append("planned replicated (these loops are not planned inside; XLA places them): "
+                 + ", ".join(f"{n} x {k}" for k, n in kept.items()))
   return notes
 
 
@@ -439,7 +469,7 @@ def _loop_regions(origins: list) -> list | None:
 
 def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
               pinned: dict[int, DimAxes] | None = None, num_micro_batches: int = 1,
-              regions: list | None = None) -> MeshPlan:
+              regions: list | None = None, weights: list | None = None) -> MeshPlan:
   jaxpr = step.closed_jaxpr.jaxpr
   cost_model = CostModel(lmesh, allow_all_gather=opt.allow_all_gather,
                          allow_all_to_all=opt.allow_all_to_all,
@@ -449,7 +479,7 @@ def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
   batch = frozenset(k for k, leaf in enumerate(step.inputs) if leaf.role == BATCH)
   graph = build_graph(jaxpr, cost_model,
                       _input_choices(step, lmesh, opt, pinned, num_micro_batches), tied, batch,
-                      regions)
+                      regions, weights)
   memory = None
   if opt.memory_budget_per_device is not None:
     memory = memory_constraint(jaxpr, graph, step, lmesh)
