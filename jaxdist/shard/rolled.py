@@ -5,6 +5,7 @@ equations are planned, and identical iterations share one solution (``repeats.py
 When every iteration of a scan got the same constraints, the step need not be compiled
 unrolled: the scan runs as a loop whose body carries those constraints, so a stack of
 layers written with ``nn.scan`` compiles as one loop body, as it would without jaxdist.
+A longer scan is planned on a two-iteration stand-in; it always compiles this way.
 Conditionals, planned branch by branch with their outputs as selections, compile as
 conditionals (``lax.switch``) whose branches carry their constraints: one branch runs.
 
