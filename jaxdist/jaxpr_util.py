@@ -176,7 +176,8 @@ def rolled_and_unrolled(closed: jex.ClosedJaxpr, long_scans: bool = False):
 
 
 def _inline(closed: jex.ClosedJaxpr, primitives: Sequence[str], deep: bool) -> jex.ClosedJaxpr:
-  """:func:`inline_calls` without unrolling; ``deep``: inside scan bodies too."""
+  """:func:`inline_calls` without unrolling; ``deep``: inside scan bodies and conditional
+  branches too."""
   if not any(e.primitive.name in primitives or (deep and e.primitive.name in ("scan", "cond"))
              for e in closed.jaxpr.eqns):
     return closed
