@@ -176,9 +176,10 @@ def rolled_and_unrolled(closed: jex.ClosedJaxpr, long_scans: bool = False):
 
 
 def _inline(closed: jex.ClosedJaxpr, primitives: Sequence[str], deep: bool) -> jex.ClosedJaxpr:
-  """:func:`inline_calls` without unrolling; ``deep``: inside scan bodies and conditional
-  branches too."""
-  if not any(e.primitive.name in primitives or (deep and e.primitive.name in ("scan", "cond"))
+  """:func:`inline_calls` without unrolling; ``deep``: inside the bodies of loops and the
+  branches of conditionals too."""
+  if not any(e.primitive.name in primitives
+             or (deep and e.primitive.name in ("scan", "cond", "while"))
              for e in closed.jaxpr.eqns):
     return closed
   constvars, consts, eqns = list(closed.jaxpr.constvars), list(closed.consts), []
@@ -212,6 +213,9 @@ def _inline(closed: jex.ClosedJaxpr, primitives: Sequence[str], deep: bool) -> j
         elif deep and name == "cond":
           params = dict(params, branches=tuple(_inline(b, primitives, deep=True)
                                                for b in params["branches"]))
+        elif deep and name == "while":
+          params = dict(params, body_jaxpr=_inline(params["body_jaxpr"], primitives, deep=True),
+                        cond_jaxpr=_inline(params["cond_jaxpr"], primitives, deep=True))
         eqns.append(eqn.replace(invars=invars, outvars=outvars, params=params))
 
   top: dict = {}
@@ -242,10 +246,13 @@ def unroll_scans(closed: jex.ClosedJaxpr, long_scans: bool = False):
   second reads the first one's carry, so a plan that keeps the carry's layout is seen to
   loop), its per-iteration results broadcast from the last one to the stacked shape:
   a stand-in to plan on, not to evaluate. Its equations' weight (the third result, per
-  equation) is ``length / 2``: how many times each runs per step.
+  equation) is ``length / 2``: how many times each runs per step. A ``while`` loop's
+  body is written out twice the same way, weight 1/2 (its trip count is unknown: priced
+  as one iteration, as XLA's module counts it), each time after the loop condition.
   """
   def flattened(e):
-    return e.primitive.name == "cond" or (e.primitive.name == "scan" and (
+    name = e.primitive.name
+    return name == "cond" or (name == "while" and long_scans) or (name == "scan" and (
         long_scans or e.params["length"] <= MAX_UNROLLED_SCAN))
 
   if not any(flattened(e) for e in closed.jaxpr.eqns):
@@ -258,7 +265,8 @@ def unroll_scans(closed: jex.ClosedJaxpr, long_scans: bool = False):
     for i, eqn in enumerate(jaxpr.eqns):
       invars = [v if isinstance(v, jex.Literal) else sub.get(v, v) for v in eqn.invars]
       if flattened(eqn):
-        flatten = _unrolled_scan if eqn.primitive.name == "scan" else _branches
+        flatten = {"scan": _unrolled_scan, "cond": _branches,
+                   "while": _while_stand_in}[eqn.primitive.name]
         outs = flatten(eqn, invars, path + (i,), emit, constvars, consts, eqns, origins, weight)
         weights.extend([weight] * (len(eqns) - len(weights)))  # a conditional's selections
         sub.update((o, v) for o, v in zip(eqn.outvars, outs) if not isinstance(o, jex.DropVar))
@@ -323,6 +331,32 @@ def _unrolled_scan(eqn, invars: list, path: tuple, emit: Callable, constvars: li
     stacked = [helper(_stack_jaxpr(y[0].aval, length), [y[r] for r in range(length)],
                       ("ys", path, q), weight)[0] for q, y in enumerate(ys)]
   return [*carry, *stacked]
+
+
+def _while_stand_in(eqn, invars: list, path: tuple, emit: Callable, constvars: list,
+                    consts: list, eqns: list, origins: list, weight: float) -> list:
+  """Emits a while loop's condition and body twice, the second time on the first one's
+  carry (the stand-in of :func:`unroll_scans`; the condition's equations are at
+  ``path[:-1] + ((path[-1], "cond"), r, j)``); returns the second body's carry."""
+  p = eqn.params
+  n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
+  hoisted = {}
+  for closed in (p["cond_jaxpr"], p["body_jaxpr"]):
+    for v, c in zip(closed.jaxpr.constvars, closed.consts):
+      hoisted[v] = jex.Var(v.aval)
+      constvars.append(hoisted[v])
+      consts.append(c)
+  cond_consts, body_consts = invars[:n_cond], invars[n_cond:n_cond + n_body]
+  carry = invars[n_cond + n_body:]
+  for r in range(2):
+    for closed, operands, where in ((p["cond_jaxpr"], cond_consts, path[:-1] + ((path[-1], "cond"), r)),
+                                    (p["body_jaxpr"], body_consts, path + (r,))):
+      inner = dict(hoisted)
+      inner.update(zip(closed.jaxpr.invars, [*operands, *carry]))
+      emit(closed.jaxpr, inner, True, where, weight / 2)
+    carry = [v if isinstance(v, jex.Literal) else inner.get(v, v)
+             for v in p["body_jaxpr"].jaxpr.outvars]
+  return carry
 
 
 def _branches(eqn, invars: list, path: tuple, emit: Callable, constvars: list,

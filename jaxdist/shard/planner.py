@@ -123,9 +123,9 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
                         long_scans: bool = True) -> ShardPlanResult:
   """Searches the mesh shapes (or applies a saved plan) and returns the cheapest plan.
 
-  ``long_scans``: plan scans longer than ``jaxpr_util.MAX_UNROLLED_SCAN`` on their
-  two-iteration stand-ins (with one micro-batch; they compile as loops), else leave them
-  to XLA.
+  ``long_scans``: plan scans longer than ``jaxpr_util.MAX_UNROLLED_SCAN`` and while
+  loops on their two-iteration stand-ins (with one micro-batch; they compile as loops),
+  else leave them to XLA.
   """
   given_step = step
   opt = method.options
@@ -156,9 +156,12 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
           f"{base.num_devices}.")
   # Calls are inlined; jaxdist.grad's marker stays (the strategy graph sees through it)
   # so that gradient accumulation can split the planned step there.
+  long_scans = long_scans and k == 1
   rolled_jaxpr, inlined, origins, weights = jaxpr_util.rolled_and_unrolled(
-      step.closed_jaxpr, long_scans=long_scans and k == 1)
-  weights = weights if any(w != 1 for w in weights) else None
+      step.closed_jaxpr, long_scans)
+  loops = _control_flow(rolled_jaxpr, long_scans)
+  stand_ins = long_scans and any(kind not in ("short", "cond") for kind in loops)
+  weights = weights if stand_ins else None
   found = jaxpr_util.find_eqns(inlined.jaxpr, jaxpr_util.IDENTITY_MARKER)
   step = dataclasses.replace(step, closed_jaxpr=inlined,
                              marker_index=found[0] if len(found) == 1 else None)
@@ -197,7 +200,7 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
     notes.append("planned replicated for lack of a sharding rule (XLA places them, so the "
                  "collectives around them may differ from the prediction): "
                  + ", ".join(f"{n} x {name}" for name, n in sorted(unknown.items())))
-  notes += _loop_notes(rolled_jaxpr, weights is not None)
+  notes += _loop_notes(loops, stand_ins)
   notes.append(f"chosen: {'x'.join(map(str, best.lmesh.shape))}, "
                + (f"{why} (no shape search)" if why else
                   f"the lowest predicted step time of {len(shapes)} shapes searched"))
@@ -208,13 +211,13 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
                  f"1/{k} of the batch each); gradients are reduced once, after the loop")
   rolled = None if regions is None else roll(
       rolled_jaxpr, origins, layout.eqn_constraints, layout.operand_constraints)
-  if isinstance(rolled, str) and weights is not None:
+  if isinstance(rolled, str) and stand_ins:
     # A long scan's stand-in is not the scan: it cannot compile unrolled.
     result = plan_shard_parallel(method, given_step, base, long_scans=False)
     return dataclasses.replace(result, layout=dataclasses.replace(
         result.layout, notes=result.layout.notes + (
             f"{rolled}; so the scans longer than {jaxpr_util.MAX_UNROLLED_SCAN} iterations "
-            f"were planned again as XLA places them",)))
+            f"and the while loops were planned again as XLA places them",)))
   if isinstance(rolled, str):  # compiled unrolled: collectives combine across iterations
     notes.append(rolled)
     for node in best.graph.nodes:
@@ -231,9 +234,10 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
   return ShardPlanResult(step, layout, best.solution.objective, objectives, predicted, best)
 
 
-def _loop_notes(rolled: jex.ClosedJaxpr, stand_ins: bool) -> list[str]:
-  """What became of the step's loops and conditionals (``rolled``: the step with calls
-  inlined; ``stand_ins``: its long scans were planned on stand-ins)."""
+def _control_flow(rolled: jex.ClosedJaxpr, stand_ins: bool) -> collections.Counter:
+  """The loops and conditionals of ``rolled`` (the step with calls inlined) the planner
+  sees, by kind: ``"short"`` scans (unrolled), ``"cond"``, ``"scan of N iterations"``
+  and ``"while"`` (on stand-ins if ``stand_ins``, else left to XLA with their bodies)."""
   counts = collections.Counter()
 
   def walk(jaxpr):
@@ -250,9 +254,17 @@ def _loop_notes(rolled: jex.ClosedJaxpr, stand_ins: bool) -> list[str]:
           walk(branch.jaxpr)
       elif name == "while":
         counts["while"] += 1
+        if stand_ins:
+          walk(e.params["body_jaxpr"].jaxpr)
 
   walk(rolled.jaxpr)
+  return counts
+
+
+def _loop_notes(counts: collections.Counter, stand_ins: bool) -> list[str]:
+  """What became of the step's loops and conditionals (see :func:`_control_flow`)."""
   notes = []
+  counts = collections.Counter(counts)
   if counts.pop("short", 0):
     notes.append(f"scans of at most {jaxpr_util.MAX_UNROLLED_SCAN} iterations are unrolled "
                  f"for planning: each iteration is planned (identical iterations share one "
@@ -260,15 +272,14 @@ def _loop_notes(rolled: jex.ClosedJaxpr, stand_ins: bool) -> list[str]:
   if n := counts.pop("cond", 0):
     notes.append(f"{n} conditional(s) planned branch by branch (each branch's work is priced; "
                  f"one runs), their outputs in one layout whichever branch runs")
-  long = {k: n for k, n in counts.items() if k.startswith("scan")}
-  kept = {k: n for k, n in counts.items() if k == "while" or not stand_ins}
-  if long and stand_ins:
-    notes.append("planned on two of their iterations, each weighted by half the length "
-                 "(the plan repeats in every iteration): "
-                 + ", ".join(f"{n} x {k}" for k, n in long.items()))
-  if kept:
-    notes.append("planned replicated (these loops are not planned inside; XLA places them): "
-                 + ", ".join(f"{n} x {k}" for k, n in kept.items()))
+  loops = ", ".join(f"{n} x {k}" for k, n in counts.items())
+  if loops and stand_ins:
+    notes.append("planned on two of their iterations, each weighted by half the length (a "
+                 "while loop's is unknown: priced as one iteration); the plan repeats in "
+                 "every iteration: " + loops)
+  elif loops:
+    notes.append(f"planned replicated (these loops are not planned inside; XLA places them): "
+                 f"{loops}")
   return notes
 
 

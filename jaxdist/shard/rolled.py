@@ -5,7 +5,8 @@ equations are planned, and identical iterations share one solution (``repeats.py
 When every iteration of a scan got the same constraints, the step need not be compiled
 unrolled: the scan runs as a loop whose body carries those constraints, so a stack of
 layers written with ``nn.scan`` compiles as one loop body, as it would without jaxdist.
-A longer scan is planned on a two-iteration stand-in; it always compiles this way.
+A longer scan, or a ``while`` loop, is planned on a two-iteration stand-in; it always
+compiles this way.
 Conditionals, planned branch by branch with their outputs as selections, compile as
 conditionals (``lax.switch``) whose branches carry their constraints: one branch runs.
 
@@ -92,6 +93,8 @@ def rolled_fn(rolled: Rolled, mesh):
       invals = constrain([jaxpr_util.read(env, v) for v in eqn.invars], ("in", here))
       if eqn.primitive.name == "scan" and here in rolled.scans:
         outs = scan(eqn, invals, here)
+      elif eqn.primitive.name == "while" and here in rolled.scans:
+        outs = while_loop(eqn, invals, here)
       elif eqn.primitive.name == "cond":  # always written out for planning
         outs = cond(eqn, invals, here)
       else:
@@ -118,6 +121,28 @@ def rolled_fn(rolled: Rolled, mesh):
                                invals[n_consts + n_carry:], length=p["length"],
                                reverse=p["reverse"], unroll=p["unroll"])
     return [*carry, *(one(y, ("ys", here, q)) for q, y in enumerate(ys))]
+
+  def while_loop(eqn, invals, here):
+    p = eqn.params
+    n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
+    cond_consts, body_consts = invals[:n_cond], invals[n_cond:n_cond + n_body]
+
+    def body_fn(carry):
+      body = p["body_jaxpr"]
+      env = dict(zip(body.jaxpr.constvars, body.consts))
+      env.update(zip(body.jaxpr.invars, [*body_consts, *carry]))
+      evaluate(body.jaxpr, env, here)
+      return [jaxpr_util.read(env, v) for v in body.jaxpr.outvars]
+
+    def cond_fn(carry):
+      closed = p["cond_jaxpr"]
+      env = dict(zip(closed.jaxpr.constvars, closed.consts))
+      env.update(zip(closed.jaxpr.invars, [*cond_consts, *carry]))
+      evaluate(closed.jaxpr, env, here[:-1] + ((here[-1], "cond"),))
+      return jaxpr_util.read(env, closed.jaxpr.outvars[0])
+
+    with eqn.ctx.manager:
+      return list(jax.lax.while_loop(cond_fn, body_fn, list(invals[n_cond + n_body:])))
 
   def cond(eqn, invals, here):
     def branch(b, closed):
