@@ -460,7 +460,8 @@ def free_invars(jaxpr, eqn_ids: Iterable[int]) -> list[int]:
 
 def eqn_flops(eqn) -> float:
   """Flops of a dot_general or convolution (2 per multiply-add), summed through the
-  bodies of calls and loops (a loop body counted once); 0 for other equations."""
+  bodies of calls and loops (a scan's body once per iteration, a while loop's once: its
+  trip count is unknown), the costliest branch of a conditional; 0 for other equations."""
   name = eqn.primitive.name
   out = getattr(eqn.outvars[0].aval, "shape", ()) if eqn.outvars else ()
   if name == "dot_general":
@@ -471,6 +472,10 @@ def eqn_flops(eqn) -> float:
     rhs = eqn.invars[1].aval.shape
     out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
     return 2.0 * math.prod(out) * math.prod(rhs) / out_features
+  if name == "scan":
+    return eqn.params["length"] * sum(map(eqn_flops, eqn.params["jaxpr"].jaxpr.eqns))
+  if name == "cond":
+    return max(sum(map(eqn_flops, b.jaxpr.eqns)) for b in eqn.params["branches"])
   return sum(eqn_flops(e) for sub in jex.jaxprs_in_params(eqn.params) for e in sub.eqns)
 
 

@@ -217,8 +217,7 @@ def find_scanned_stack(jaxpr, num_consts: int) -> Stack | None:
     xs = eqn.invars[nc + ncarry:]
     if not any(v in weights for v in xs) or any(v in read for v in eqn.outvars[ncarry:]):
       continue
-    body = eqn.params["jaxpr"].jaxpr
-    flops = eqn.params["length"] * sum(map(jaxpr_util.eqn_flops, body.eqns))
+    flops = jaxpr_util.eqn_flops(eqn)
     if best is None or flops > best[0]:
       best = (flops, i, eqn)
   if best is None:
