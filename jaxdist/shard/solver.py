@@ -180,6 +180,8 @@ def fold_free_leaves(graph: StrategyGraph, memory: MemoryConstraint | None):
               and ("x", s) not in active_members[g]
               and (("e", *key, s, t) if key[0] == g else ("e", *key, t, s))
               not in active_members[g]]
+      # (A group folded into g earlier holds its least bytes whatever g takes, so only
+      # g's own bytes can differ between g's choices.)
       free = [s for s in free if all(memory.per_group[r][g][s] <= memory.per_group[r][g].min()
                                      for r in rows_of[g])]
       if not free:
