@@ -602,3 +602,34 @@ def test_while_loops_are_planned_on_two_iterations():
   assert not any("DIFFERS" in line for line in exe.check_communication()), (
       exe.check_communication())
   assert_trees_close(f(w, batch), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_flax_recurrent_layers_are_planned_on_tied_stand_ins():
+  """flax's nn.RNN over LSTM and GRU cells (130 steps): the two stand-in iterations of
+  each scan share one plan even where the repeated-layer search does not pair them (it
+  did not here: they were planned differently and fell back to running replicated), so
+  the loops compile with it; equal to serial."""
+  class Recurrent(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = nn.RNN(nn.GRUCell(64))(nn.RNN(nn.OptimizedLSTMCell(64))(x))
+      return nn.Dense(4)(h[:, -1])
+
+  batch = {"x": jax.random.normal(jax.random.key(0), (32, 130, 8)),
+           "y": jax.random.normal(jax.random.key(1), (32, 4))}
+  model = Recurrent()
+  params = model.init(jax.random.key(2), batch["x"])
+
+  def step(params, batch):
+    loss, grads = jax.value_and_grad(
+        lambda p: jnp.mean((model.apply(p, batch["x"]) - batch["y"]) ** 2))(params)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, params, grads), loss
+
+  expected = jax.jit(step)(params, batch)
+  f = jd.parallelize(step, method=jd.ShardParallel(
+      logical_mesh_shape=(2, 4), auto_sharding_option=jd.AutoShardingOption(plan_cache=False)),
+      donate_argnums=())
+  notes = " ".join(f.get_executable(params, batch).plan.notes)
+  assert "planned on two of their iterations" in notes and "4 x scan of 130" in notes, notes
+  assert "planned again" not in notes and "loops and conditionals kept" in notes, notes
+  assert_trees_close(f(params, batch), expected, rtol=1e-5, atol=1e-6)

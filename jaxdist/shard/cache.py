@@ -22,7 +22,7 @@ from pathlib import Path
 from jaxdist import cache_dir
 from jaxdist.shard.solver import Solution
 
-VERSION = 3
+VERSION = 4
 log = logging.getLogger("jaxdist.plan")
 
 

@@ -162,6 +162,7 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
   loops = _control_flow(rolled_jaxpr, long_scans)
   stand_ins = long_scans and any(kind not in ("short", "cond") for kind in loops)
   weights = weights if stand_ins else None
+  pairs = _stand_in_pairs(origins, weights) if stand_ins else ()
   found = jaxpr_util.find_eqns(inlined.jaxpr, jaxpr_util.IDENTITY_MARKER)
   step = dataclasses.replace(step, closed_jaxpr=inlined,
                              marker_index=found[0] if len(found) == 1 else None)
@@ -177,7 +178,7 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
       shown.describe(f"ShardParallel: solving mesh {name}")
       lmesh = mesh_for(shape, base, method.plan.axis_names if method.plan is not None else None)
       try:
-        plan = _plan_one(step, lmesh, opt, pinned, k, regions, weights)
+        plan = _plan_one(step, lmesh, opt, pinned, k, regions, weights, pairs)
       except errors.InfeasiblePlanError as e:
         infeasible.append((shape, e))
         continue
@@ -232,6 +233,16 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
                  "each unrolled scan got the same plan)")
   layout = dataclasses.replace(layout, notes=layout.notes + tuple(notes))
   return ShardPlanResult(step, layout, best.solution.objective, objectives, predicted, best)
+
+
+def _stand_in_pairs(origins: list, weights: list) -> list[tuple[int, int]]:
+  """Pairs of equations (indices) that are one equation of a loop body in the two
+  iterations of its stand-in (see ``jaxpr_util.unroll_scans``)."""
+  copies = collections.defaultdict(list)
+  for i, (origin, weight) in enumerate(zip(origins, weights)):
+    if origin is not None and origin[0] == "eqn" and weight != 1:
+      copies[origin[1][::2]].append(i)
+  return [tuple(c) for c in copies.values() if len(c) == 2]
 
 
 def _control_flow(rolled: jex.ClosedJaxpr, stand_ins: bool) -> collections.Counter:
@@ -480,7 +491,8 @@ def _loop_regions(origins: list) -> list | None:
 
 def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
               pinned: dict[int, DimAxes] | None = None, num_micro_batches: int = 1,
-              regions: list | None = None, weights: list | None = None) -> MeshPlan:
+              regions: list | None = None, weights: list | None = None,
+              pairs=()) -> MeshPlan:
   jaxpr = step.closed_jaxpr.jaxpr
   cost_model = CostModel(lmesh, allow_all_gather=opt.allow_all_gather,
                          allow_all_to_all=opt.allow_all_to_all,
@@ -500,7 +512,9 @@ def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
                      opt, pinned, num_micro_batches, tied, regions is not None)
   solution = cache.load(digest, len(graph.group_sizes)) if opt.plan_cache else None
   if solution is None:
-    ties = tie_groups(jaxpr, graph) if opt.share_repeated_layers else None
+    # A stand-in's two iterations always share one plan: the loop compiles with one body.
+    ties = (tie_groups(jaxpr, graph, pairs=pairs) if opt.share_repeated_layers else
+            tie_groups(jaxpr, graph, None, pairs) if pairs else None)
     free = sum(1 for n in graph.group_sizes if n > 1)
     log.info("solving mesh %s %s: %d equations, %d choice groups (%d after tying repeats)",
              lmesh.shape, lmesh.axis_names, len(jaxpr.eqns), free,

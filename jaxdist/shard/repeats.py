@@ -77,12 +77,15 @@ def find_repeats(eqns, min_period: int = MIN_SEGMENT_EQNS) -> list[Repeat]:
   return sorted(out, key=lambda r: r.start)
 
 
-def tie_groups(jaxpr, graph: StrategyGraph, min_period: int = MIN_SEGMENT_EQNS) -> list[int]:
+def tie_groups(jaxpr, graph: StrategyGraph, min_period: int = MIN_SEGMENT_EQNS,
+               pairs=()) -> list[int]:
   """Per group, the group whose choice it takes (itself when untied).
 
   Two groups are tied when corresponding equations of two copies belong to them and
   their strategies give the same output specs choice for choice; ties are transitive
-  (union-find, the earliest group representing its class).
+  (union-find, the earliest group representing its class). ``pairs``: more pairs of
+  corresponding equations (indices into ``jaxpr.eqns``), tied the same way; with
+  ``min_period=None`` only those.
   """
   rep = list(range(len(graph.group_sizes)))
 
@@ -93,17 +96,20 @@ def tie_groups(jaxpr, graph: StrategyGraph, min_period: int = MIN_SEGMENT_EQNS) 
     return g
 
   node_of = {id(node.eqn): node for node in graph.nodes if node.eqn is not None}
-  for r in find_repeats(jaxpr.eqns, min_period):
+
+  def tie(i, k):
+    first, other = node_of.get(id(jaxpr.eqns[i])), node_of.get(id(jaxpr.eqns[k]))
+    if (first is None or other is None or graph.group_sizes[first.group] < 2
+        or [s.out_specs for s in other.strategies] != [s.out_specs for s in first.strategies]):
+      return
+    a, b = find(first.group), find(other.group)
+    if a != b and graph.group_sizes[a] == graph.group_sizes[b]:
+      rep[max(a, b)] = min(a, b)
+
+  for r in find_repeats(jaxpr.eqns, min_period) if min_period is not None else ():
     for j in range(r.period):
-      first = node_of.get(id(jaxpr.eqns[r.start + j]))
-      if first is None or graph.group_sizes[first.group] < 2:
-        continue
-      specs = [s.out_specs for s in first.strategies]
       for copy in range(1, r.copies):
-        other = node_of.get(id(jaxpr.eqns[r.start + copy * r.period + j]))
-        if other is None or [s.out_specs for s in other.strategies] != specs:
-          continue
-        a, b = find(first.group), find(other.group)
-        if a != b and graph.group_sizes[a] == graph.group_sizes[b]:
-          rep[max(a, b)] = min(a, b)
+        tie(r.start + j, r.start + copy * r.period + j)
+  for i, k in pairs:
+    tie(i, k)
   return [find(g) for g in range(len(rep))]
