@@ -12,6 +12,7 @@ planner optimizes for what is projected.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 import jax
@@ -61,6 +62,7 @@ class Workload:
   batch: Any
   formula_flops: float | None = None  # Megatron-LM's count, GPT only
   layers: int = 2
+  model_parallel_dim: int = 0  # what a hand plan splits: attention heads, or experts (MoE)
 
 
 def gpt_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
@@ -103,7 +105,7 @@ def workload(suite: str, size: str) -> Workload:
     return Workload(suite, size, f"{suite}-{size}", models.lm_step(jd.value_and_grad),
                     lambda: models.create_state(model, batch["tokens"][:, :-1],
                                                 tx=optax.adam(1e-3)),
-                    batch, flops, config.depth)
+                    batch, flops, config.depth, config.heads if suite == "gpt" else experts)
   if suite == "wresnet":
     from jaxdist.bench import wresnet
 
@@ -160,7 +162,12 @@ def methods(w: Workload, devices: list) -> list[tuple[str, str, Any]]:
   preset = {"gpt": "megatron_attention", "moe": "expert_parallel"}.get(w.suite)
   if preset and n >= 4:
     p = presets[preset]
-    for shape in ((1, n), (2, n // 2)):
+    # Model-parallel degrees that split the heads (experts) evenly: a GPT with 12 heads
+    # on 8 devices gets DP2 x TP4 only.
+    degrees = [t for t in (n, n // 2) if w.model_parallel_dim % t == 0]
+    if not degrees and math.gcd(n, w.model_parallel_dim) > 1:
+      degrees = [math.gcd(n, w.model_parallel_dim)]
+    for shape in ((n // t, t) for t in degrees):
       mesh = jd.LogicalMesh(shape, axis_names=p.axis_names, **costs)
       label = {"megatron_attention": "Megatron TP", "expert_parallel": "expert parallel"}[preset]
       name = f"{label} {shape[1]}" if shape[0] == 1 else f"DP{shape[0]} x {label} {shape[1]}"
