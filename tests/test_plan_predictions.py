@@ -207,16 +207,24 @@ def test_a_second_plan_of_the_same_step_comes_from_the_disk_cache(tmp_path, monk
   from jaxdist.shard import planner
   monkeypatch.setenv("JAXDIST_CACHE_DIR", str(tmp_path))
   step, state, data = _mlp()
-  solves = []
-  real = planner.solve_ilp
+  solves, graphs = [], []
+  real, real_build = planner.solve_ilp, planner.build_graph
   monkeypatch.setattr(planner, "solve_ilp", lambda *a, **k: solves.append(1) or real(*a, **k))
+  monkeypatch.setattr(planner, "build_graph",
+                      lambda *a, **k: graphs.append(1) or real_build(*a, **k))
   method = jd.ShardParallel(devices=_mesh((2, 4), H100))
   first = jd.parallelize(step, method=method).get_executable(state, data)
   assert len(solves) == 1 and list((tmp_path / "plans").glob("*.json"))
   second = jd.parallelize(step, method=method).get_executable(state, data)
-  assert len(solves) == 1  # a new ParallelizedFunc, planned from the cache
-  assert second.plan.inputs == first.plan.inputs
-  assert second.plan.objective == pytest.approx(first.plan.objective)
+  # A new ParallelizedFunc (as in a new process): the whole search comes from the cache.
+  assert len(solves) == 1 and len(graphs) == 1
+  assert second.plan == first.plan
+  assert second.layout == first.layout  # every constraint, as the search chose it
+  assert second.communication() == first.communication()
+  # The estimator reads the chosen shape's graph: rebuilt, with the cached solution.
+  estimate = jd.estimate(step, state, data, method=method)
+  assert len(solves) == 1 and len(graphs) == 2
+  assert estimate.memory_per_device > 0
   # Other costs are another key.
   jd.parallelize(step, method=jd.ShardParallel(devices=_mesh((2, 4), UNIT))).get_executable(
       state, data)

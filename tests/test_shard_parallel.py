@@ -532,7 +532,7 @@ def _rnn_step(params, batch):
   return jax.tree.map(lambda a, b: a - 0.1 * b, params, grads), loss
 
 
-def test_long_scans_are_planned_on_two_iterations(monkeypatch):
+def test_long_scans_are_planned_on_two_iterations(monkeypatch, tmp_path):
   """An RNN over 160 time steps: too long to unroll, its scan is planned on two of its
   iterations standing for all (their costs weighted by 80). The batch stays split inside
   the loop, so a device holds no more than under DataParallel (the loop planned
@@ -547,13 +547,16 @@ def test_long_scans_are_planned_on_two_iterations(monkeypatch):
            "y": jax.random.normal(keys[4], (32, 8))}
   expected = jax.jit(_rnn_step)(params, batch)
   dp = jd.parallelize(_rnn_step, method=jd.DataParallel()).get_executable(params, batch)
-  method = jd.ShardParallel(logical_mesh_shape=(8,), auto_sharding_option=jd.AutoShardingOption(
-      plan_cache=False))
+  monkeypatch.setenv("JAXDIST_CACHE_DIR", str(tmp_path))  # the plan cache, rolled and not
+  method = jd.ShardParallel(logical_mesh_shape=(8,))
   f = jd.parallelize(_rnn_step, method=method, donate_argnums=())
   exe = f.get_executable(params, batch)
   notes = " ".join(exe.plan.notes)
   assert "planned on two of their iterations" in notes and "2 x scan of 160" in notes, notes
   assert " while(" in exe.get_hlo_text()
+  again = jd.parallelize(_rnn_step, method=method).get_executable(params, batch).layout
+  assert again.rolled.constraints == exe.layout.rolled.constraints
+  assert again.notes == exe.layout.notes and again.in_specs == exe.layout.in_specs
   assert exe.get_total_allocation_size() <= 1.1 * dp.get_total_allocation_size()
   assert not any("DIFFERS" in line for line in exe.check_communication()), (
       exe.check_communication())
@@ -567,10 +570,11 @@ def test_long_scans_are_planned_on_two_iterations(monkeypatch):
     return real_roll(rolled, origins, *constraints)
 
   monkeypatch.setattr(planner, "roll", roll_fails_with_stand_ins)
-  f = jd.parallelize(_rnn_step, method=method, donate_argnums=())
-  notes = " ".join(f.get_executable(params, batch).plan.notes)
-  assert "planned again as XLA places them" in notes, notes
-  assert "planned replicated" in notes and "2 x scan of 160" in notes, notes
+  for _ in range(2):  # planned, then from the cache
+    f = jd.parallelize(_rnn_step, method=method, donate_argnums=())
+    notes = " ".join(f.get_executable(params, batch).plan.notes)
+    assert "planned again as XLA places them" in notes, notes
+    assert "planned replicated" in notes and "2 x scan of 160" in notes, notes
   assert_trees_close(f(params, batch), expected, rtol=1e-5, atol=1e-6)
 
 

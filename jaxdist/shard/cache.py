@@ -1,14 +1,21 @@
-"""An on-disk cache of solved sharding ILPs, so that a second process skips the search.
+"""An on-disk cache of sharding plans, so that a second process skips the search.
 
-A solution is one choice per strategy group of the graph built from the step's jaxpr;
-the graph is rebuilt on every call (it is cheap next to the solve), and the cached choice
-applies to it when the key matches. The key hashes everything the solve depends on: the
-jaxpr's text, the input shapes, dtypes and roles, the mesh (shape, axis names, α, β, peak
-flops, device kind), the planner options, pinned inputs, the number of micro-batches, and
-:data:`VERSION` (bumped whenever the cost model changes what a solve returns).
+Two kinds of entries, one small JSON file each:
 
-Location: ``$JAXDIST_CACHE_DIR/plans`` (default ``~/.cache/jaxdist/plans``); one small
-JSON file per solution. ``AutoShardingOption(plan_cache=False)`` turns it off.
+- a *solution* (per mesh shape): one choice per strategy group of the graph built from
+  the step's jaxpr; the cached choice applies to a rebuilt graph when the key matches;
+- a *result* (per search): the layout the search chose (every constraint as a
+  ``PartitionSpec``), its predictions and notes; a hit skips building the strategy
+  graphs too, which takes longer than the solve on a GPT. The chosen shape's graph is
+  rebuilt only if asked for (``jaxdist.estimate`` reads it), from the cached solution.
+
+The key hashes everything a plan depends on: the jaxpr's text, the input shapes, dtypes
+and roles, the mesh (shape, axis names, α, β, peak flops, device kind), the planner
+options, pinned inputs, the number of micro-batches, and :data:`VERSION` (bumped
+whenever the cost model changes what a solve returns).
+
+Location: ``$JAXDIST_CACHE_DIR/plans`` (default ``~/.cache/jaxdist/plans``).
+``AutoShardingOption(plan_cache=False)`` turns it off.
 """
 
 from __future__ import annotations
@@ -19,10 +26,12 @@ import logging
 import os
 from pathlib import Path
 
+from jax.sharding import PartitionSpec
+
 from jaxdist import cache_dir
 from jaxdist.shard.solver import Solution
 
-VERSION = 4
+VERSION = 5
 log = logging.getLogger("jaxdist.plan")
 
 
@@ -40,26 +49,61 @@ def key(*parts) -> str:
 
 def load(digest: str, num_groups: int) -> Solution | None:
   """The cached solution, or None (absent, unreadable or for another graph size)."""
-  path = directory() / f"{digest}.json"
+  data = _read(digest)
   try:
-    data = json.loads(path.read_text())
     choice = tuple(int(c) for c in data["choice"])
-  except (OSError, ValueError, KeyError, TypeError):
+    solution = Solution(choice, float(data["objective"]), data["status"])
+  except (KeyError, TypeError, ValueError):
     return None
-  if len(choice) != num_groups:
-    return None
-  log.info("plan cache hit: %s", path)
-  return Solution(choice, float(data["objective"]), data["status"])
+  return solution if len(choice) == num_groups else None
 
 
 def store(digest: str, solution: Solution) -> None:
   """Writes the solution (atomically; a cache that cannot be written is skipped)."""
+  _write(digest, {"choice": list(solution.choice), "objective": solution.objective,
+                  "status": solution.status})
+
+
+def load_result(digest: str) -> dict | None:
+  """A cached search result as :func:`store_result` wrote it, or None."""
+  data = _read(digest)
+  return data if isinstance(data, dict) and "layout" in data else None
+
+
+def store_result(digest: str, result: dict) -> None:
+  """Writes a search result: JSON values, ``PartitionSpec`` s encoded by :func:`encode`."""
+  _write(digest, result)
+
+
+def encode(spec: PartitionSpec | None):
+  """A PartitionSpec (or None) as JSON: entries None, an axis name or a list of them."""
+  if spec is None:
+    return None
+  return [list(e) if isinstance(e, tuple) else e for e in spec]
+
+
+def decode(data) -> PartitionSpec | None:
+  if data is None:
+    return None
+  return PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in data))
+
+
+def _read(digest: str):
+  path = directory() / f"{digest}.json"
+  try:
+    data = json.loads(path.read_text())
+  except (OSError, ValueError):
+    return None
+  log.info("plan cache hit: %s", path)
+  return data
+
+
+def _write(digest: str, data: dict) -> None:
   folder = directory()
   try:
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".{digest}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({"choice": list(solution.choice), "objective": solution.objective,
-                               "status": solution.status}))
+    tmp.write_text(json.dumps(data))
     tmp.replace(folder / f"{digest}.json")
   except OSError as e:
     log.warning("plan cache not written (%s): %s", folder, e)

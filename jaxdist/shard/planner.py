@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import math
 import re
 import time
+from typing import Callable
 
 import jax.extend.core as jex
 import numpy as np
@@ -108,7 +110,8 @@ class ShardPlanResult:
     objective: the chosen plan's predicted seconds.
     mesh_objectives: each tried mesh shape's objective, keyed ``"2x4"``.
     predicted_collectives: kind → {"count", "result_bytes"} per step (per device).
-    mesh_plan: the chosen shape's strategy graph and solution (each value's spec).
+    solve: gives the chosen shape's MeshPlan (its strategy graph and solution); after a
+      plan-cache hit the graph is rebuilt only when :attr:`mesh_plan` is first read.
   """
 
   step: TracedStep
@@ -116,7 +119,12 @@ class ShardPlanResult:
   objective: float
   mesh_objectives: dict[str, float]
   predicted_collectives: dict[str, dict[str, float]]
-  mesh_plan: MeshPlan
+  solve: Callable[[], MeshPlan]
+
+  @functools.cached_property
+  def mesh_plan(self) -> MeshPlan:
+    """The chosen shape's strategy graph and solution (each value's spec)."""
+    return self.solve()
 
 
 def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: LogicalMesh,
@@ -171,14 +179,32 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
   # With one micro-batch the unrolled scans compile as loops (see rolled.py), whose
   # collectives combine only within an iteration; with more, the step compiles unrolled.
   regions = _loop_regions(origins) if k == 1 else None
+  names = method.plan.axis_names if method.plan is not None else None
+  text = str(step.closed_jaxpr)  # the cache keys' largest part, printed once
+  digest = cache.key("result", text, _mesh_key(base), shapes, names, opt, pinned, k, long_scans,
+                     [(l.shape, str(l.dtype), l.role) for l in step.inputs])
+  if opt.plan_cache and (hit := cache.load_result(digest)) is not None:
+    if hit["long_scans"] != long_scans:  # planned again without stand-ins (see below)
+      inner = plan_shard_parallel(method, given_step, base, long_scans=False)
+      return dataclasses.replace(inner, layout=dataclasses.replace(
+          inner.layout, notes=tuple(hit["layout"]["notes"])))
+    lmesh = mesh_for(tuple(hit["shape"]), base, names)
+    layout = _decode_layout(hit["layout"], lmesh)
+    if hit["rolled"]:
+      layout = dataclasses.replace(layout, rolled=roll(
+          rolled_jaxpr, origins, layout.eqn_constraints, layout.operand_constraints))
+    if not isinstance(layout.rolled, str):
+      return ShardPlanResult(step, layout, hit["objective"], hit["mesh_objectives"],
+                             hit["predicted_collectives"], lambda: _plan_one(
+                                 step, lmesh, opt, pinned, k, regions, weights, pairs, text))
   plans, objectives, infeasible = [], {}, []
   with progress.bar(len(shapes), "ShardParallel: planning") as shown:
     for shape in shapes:
       name = "x".join(map(str, shape))
       shown.describe(f"ShardParallel: solving mesh {name}")
-      lmesh = mesh_for(shape, base, method.plan.axis_names if method.plan is not None else None)
+      lmesh = mesh_for(shape, base, names)
       try:
-        plan = _plan_one(step, lmesh, opt, pinned, k, regions, weights, pairs)
+        plan = _plan_one(step, lmesh, opt, pinned, k, regions, weights, pairs, text)
       except errors.InfeasiblePlanError as e:
         infeasible.append((shape, e))
         continue
@@ -215,10 +241,12 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
   if isinstance(rolled, str) and stand_ins:
     # A long scan's stand-in is not the scan: it cannot compile unrolled.
     result = plan_shard_parallel(method, given_step, base, long_scans=False)
-    return dataclasses.replace(result, layout=dataclasses.replace(
+    result = dataclasses.replace(result, layout=dataclasses.replace(
         result.layout, notes=result.layout.notes + (
             f"{rolled}; so the scans longer than {jaxpr_util.MAX_UNROLLED_SCAN} iterations "
             f"and the while loops were planned again as XLA places them",)))
+    _store_result(opt, digest, plans, result, False)
+    return result
   if isinstance(rolled, str):  # compiled unrolled: collectives combine across iterations
     notes.append(rolled)
     for node in best.graph.nodes:
@@ -232,7 +260,57 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
     notes.append("the step compiles with its loops and conditionals kept (the iterations of "
                  "each unrolled scan got the same plan)")
   layout = dataclasses.replace(layout, notes=layout.notes + tuple(notes))
-  return ShardPlanResult(step, layout, best.solution.objective, objectives, predicted, best)
+  result = ShardPlanResult(step, layout, best.solution.objective, objectives, predicted,
+                           lambda: best)
+  _store_result(opt, digest, plans, result, long_scans)
+  return result
+
+
+def _mesh_key(lmesh: LogicalMesh) -> tuple:
+  device = lmesh.devices[0]
+  return (lmesh.shape, lmesh.axis_names, lmesh.alpha, lmesh.beta, lmesh.peak_flops,
+          device.platform, getattr(device, "device_kind", ""))
+
+
+def _store_result(opt, digest: str, plans: list[MeshPlan], result: ShardPlanResult,
+                  long_scans: bool) -> None:
+  """Caches a search's result (not when a solve stopped at its time limit: another run
+  may do better)."""
+  if not opt.plan_cache or any(p.solution.status == "time_limit" for p in plans):
+    return
+  layout = result.layout
+  cache.store_result(digest, {
+      "shape": list(layout.logical_mesh.shape), "long_scans": long_scans,
+      "rolled": layout.rolled is not None, "objective": result.objective,
+      "mesh_objectives": result.mesh_objectives,
+      "predicted_collectives": result.predicted_collectives,
+      "layout": _encode_layout(layout)})
+
+
+def _encode_layout(layout: Layout) -> dict:
+  def specs(values):
+    return None if values is None else [cache.encode(s) for s in values]
+
+  return {"in_specs": specs(layout.in_specs), "out_specs": specs(layout.out_specs),
+          "notes": list(layout.notes), "num_micro_batches": layout.num_micro_batches,
+          "batch_axes": list(layout.batch_axes),
+          "grad_reduce_specs": specs(layout.grad_reduce_specs),
+          "eqn_constraints": [[i, specs(v)] for i, v in (layout.eqn_constraints or {}).items()],
+          "operand_constraints": [[i, specs(v)]
+                                  for i, v in (layout.operand_constraints or {}).items()]}
+
+
+def _decode_layout(data: dict, lmesh: LogicalMesh) -> Layout:
+  def specs(values):
+    return None if values is None else tuple(cache.decode(s) for s in values)
+
+  out_specs = specs(data["out_specs"])
+  return Layout(lmesh, specs(data["in_specs"]), out_specs, (None,) * len(out_specs),
+                notes=tuple(data["notes"]), num_micro_batches=data["num_micro_batches"],
+                batch_axes=tuple(data["batch_axes"]),
+                grad_reduce_specs=specs(data["grad_reduce_specs"]),
+                eqn_constraints={i: specs(v) for i, v in data["eqn_constraints"]},
+                operand_constraints={i: specs(v) for i, v in data["operand_constraints"]})
 
 
 def _stand_in_pairs(origins: list, weights: list) -> list[tuple[int, int]]:
@@ -492,7 +570,7 @@ def _loop_regions(origins: list) -> list | None:
 def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
               pinned: dict[int, DimAxes] | None = None, num_micro_batches: int = 1,
               regions: list | None = None, weights: list | None = None,
-              pairs=()) -> MeshPlan:
+              pairs=(), jaxpr_text: str | None = None) -> MeshPlan:
   jaxpr = step.closed_jaxpr.jaxpr
   cost_model = CostModel(lmesh, allow_all_gather=opt.allow_all_gather,
                          allow_all_to_all=opt.allow_all_to_all,
@@ -506,9 +584,8 @@ def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
   memory = None
   if opt.memory_budget_per_device is not None:
     memory = memory_constraint(jaxpr, graph, step, lmesh)
-  digest = cache.key(str(step.closed_jaxpr), [(l.shape, str(l.dtype), l.role) for l in step.inputs],
-                     lmesh.shape, lmesh.axis_names, lmesh.alpha, lmesh.beta, lmesh.peak_flops,
-                     lmesh.devices[0].platform, getattr(lmesh.devices[0], "device_kind", ""),
+  digest = cache.key(jaxpr_text or str(step.closed_jaxpr),
+                     [(l.shape, str(l.dtype), l.role) for l in step.inputs], _mesh_key(lmesh),
                      opt, pinned, num_micro_batches, tied, regions is not None)
   solution = cache.load(digest, len(graph.group_sizes)) if opt.plan_cache else None
   if solution is None:
