@@ -197,9 +197,12 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
       return ShardPlanResult(step, layout, hit["objective"], hit["mesh_objectives"],
                              hit["predicted_collectives"], lambda: _plan_one(
                                  step, lmesh, opt, pinned, k, regions, weights, pairs, text))
+  mirrored = _mirrored_shapes(shapes, base, opt, pinned) if why is None else {}
   plans, objectives, infeasible = [], {}, []
-  with progress.bar(len(shapes), "ShardParallel: planning") as shown:
+  with progress.bar(len(shapes) - len(mirrored), "ShardParallel: planning") as shown:
     for shape in shapes:
+      if shape in mirrored:
+        continue
       name = "x".join(map(str, shape))
       shown.describe(f"ShardParallel: solving mesh {name}")
       lmesh = mesh_for(shape, base, names)
@@ -219,6 +222,12 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
   predicted = predictions[plans.index(best)]
   notes = [f"mesh {_describe(p, pred)}" for p, pred in zip(plans, predictions)]
   notes += [f"mesh {'x'.join(map(str, shape))} infeasible: {e}" for shape, e in infeasible]
+  for shape, twin in mirrored.items():
+    name, twin_name = "x".join(map(str, shape)), "x".join(map(str, twin))
+    if twin_name in objectives:
+      objectives[name] = objectives[twin_name]
+    notes.append(f"mesh {name} not solved: it is mesh {twin_name} with its axes swapped, and "
+                 f"both axes cost the same, so its plans cost the same")
   unknown = {}
   for node in best.graph.nodes:
     if node.eqn is not None and "no rule" in node.strategies[0].name:
@@ -264,6 +273,25 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
                            lambda: best)
   _store_result(opt, digest, plans, result, long_scans)
   return result
+
+
+def _mirrored_shapes(shapes: list, base: LogicalMesh, opt: m.AutoShardingOption,
+                     pinned) -> dict[tuple, tuple]:
+  """Searched shapes (a, b) with a > b whose mirror (b, a) is searched too, each mapped
+  to that mirror, when the cost model cannot tell them apart: every axis has the same α
+  and β, and no option or pinned input names an axis. (Both meshes' plans then map onto
+  each other by swapping the axes, at equal predicted cost; which devices neighbour
+  which is not in the model.)"""
+  if pinned is not None or opt.partition_constraints or opt.force_batch_dim_to_mesh_dim is not None:
+    return {}
+  out = {}
+  for shape in shapes:
+    twin = shape[::-1]
+    if len(shape) == 2 and shape[0] > shape[1] and twin in shapes:
+      lmesh = mesh_for(shape, base)
+      if len(set(lmesh.alpha)) == 1 and len(set(lmesh.beta)) == 1:
+        out[shape] = twin
+  return out
 
 
 def _mesh_key(lmesh: LogicalMesh) -> tuple:
