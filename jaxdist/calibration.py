@@ -6,7 +6,17 @@ state it reads; see ``jaxdist.estimate``). Without a profile the two rates are t
 device kind's peak flops and memory bandwidth, which real steps never reach. A profile
 measures a few reference steps (the MLP and GPT of ``jaxdist.models`` at two sizes each,
 DataParallel over the devices), and fits the three coefficients (non-negative least
-squares on the measured time less the estimated communication).
+squares on the measured time less the estimated communication, each step weighted by
+the inverse of its time: the fit minimizes relative errors, so a 16 ms step counts as
+much as a 600 ms one; unweighted, the slowest steps decided the fit and the fastest were
+estimated 2x too slow on this CPU).
+
+A profile also measures the links: a chain of dependent all-reduces over all the
+devices, of 4 bytes and of 4 MiB per device, gives the latency α of one collective and
+the seconds per byte β (as the cost model charges an all-reduce: ``α + 2β(n-1)/n ·
+bytes``). Estimates on a mesh at its device kind's default costs use them for the
+communication time (on 8 simulated CPU devices α is ~0.2 ms and β ~1 ns/byte, where the
+CPU defaults, a stand-in for a fast link, say 0.1 µs and 0.01 ns/byte).
 
 Profiles live under ``$JAXDIST_CACHE_DIR/profiles`` (default ``~/.cache/jaxdist``), one
 JSON file per platform, device kind and device count, like nnScaler's ``profile_dir``;
@@ -26,7 +36,7 @@ import numpy as np
 
 from jaxdist import cache_dir
 
-VERSION = 1
+VERSION = 2
 log = logging.getLogger("jaxdist.estimate")
 
 
@@ -39,6 +49,7 @@ class Profile:
     points: per reference step, its name, measured and fitted seconds.
     created: when it was measured (ISO date and time, UTC).
     path: where it is stored.
+    alpha_s, beta_s_per_byte: the measured link costs (None: not measured).
   """
 
   platform: str
@@ -51,6 +62,8 @@ class Profile:
   created: str
   jax_version: str
   path: str = ""
+  alpha_s: float | None = None
+  beta_s_per_byte: float | None = None
 
   def compute_seconds(self, flops: float, nbytes: float) -> float:
     return self.overhead_s + flops * self.seconds_per_flop + nbytes * self.seconds_per_byte
@@ -92,8 +105,9 @@ def calibrate(devices=None, *, re_profile: bool = False, steps: int = 5) -> Prof
   from jaxdist import methods as m
   from jaxdist import models
   from jaxdist.api import parallelize
-  from jaxdist.estimate import estimate
+  from jaxdist.estimate import communication_seconds, estimate
   from jaxdist.measure import time_steps
+  from jaxdist.mesh import LogicalMesh
 
   devices = list(devices or jax.devices())
   if not re_profile:
@@ -101,13 +115,18 @@ def calibrate(devices=None, *, re_profile: bool = False, steps: int = 5) -> Prof
     if found is not None:
       return found
   n = len(devices)
+  alpha, beta = _link_costs(devices, steps) if n > 1 else (None, None)
   rows, names = [], []
   for name, (step, state, batch) in _reference_steps(n, models, optax):
     method = m.DataParallel(devices=devices)
     est = estimate(step, state, batch, method=method, calibrated=False)
     f = parallelize(step, method=method)
     _, _, seconds = time_steps(f, state, batch, num_steps=steps, warmup=2)
-    rows.append((est.flops, est.bytes_accessed, 1.0, max(seconds - est.communication_s, 0.0)))
+    communication = est.communication_s
+    if alpha is not None:
+      measured = LogicalMesh((n,), alpha=alpha, beta=beta, devices=tuple(devices))
+      communication = communication_seconds(est.collectives, measured)
+    rows.append((est.flops, est.bytes_accessed, 1.0, max(seconds - communication, 0.0)))
     names.append(name)
     log.info("calibration %s: %.3f ms measured, %.3g flops, %.3g bytes", name, seconds * 1e3,
              est.flops, est.bytes_accessed)
@@ -115,7 +134,8 @@ def calibrate(devices=None, *, re_profile: bool = False, steps: int = 5) -> Prof
   a = np.array([r[:3] for r in rows])
   y = np.array([r[3] for r in rows])
   scale = a.max(axis=0)
-  coef, _ = nnls(a / scale, y)
+  weight = 1.0 / np.maximum(y, 1e-6)
+  coef, _ = nnls(a / scale * weight[:, None], y * weight)
   coef = coef / scale
   fitted = a @ coef
   profile = Profile(
@@ -124,9 +144,44 @@ def calibrate(devices=None, *, re_profile: bool = False, steps: int = 5) -> Prof
       overhead_s=float(coef[2]),
       points=tuple((nm, float(t), float(ft)) for nm, t, ft in zip(names, y, fitted)),
       created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      jax_version=jax.__version__, path=str(profile_path(devices)))
+      jax_version=jax.__version__, path=str(profile_path(devices)), alpha_s=alpha,
+      beta_s_per_byte=beta)
   _store(profile)
   return profile
+
+
+def _link_costs(devices, steps: int) -> tuple[float, float]:
+  """(α, β) of all-reduces over ``devices``: chains of 1 and 17 dependent all-reduces,
+  of 4 bytes and of 4 MiB per device; α from the small ones, β from the large."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  from jaxdist.measure import time_steps
+
+  n = len(devices)
+  mesh = Mesh(np.array(devices), ("d",))
+
+  def chain(count):
+    def body(x):
+      for _ in range(count):
+        x = jax.lax.psum(x, "d") * (1.0 / n)
+      return x
+
+    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=PartitionSpec("d"),
+                                out_specs=PartitionSpec("d")))
+    return lambda x: (run(x), None)
+
+  per_op = []
+  for per_device in (1, 2**20):  # float32 elements
+    x = jax.device_put(jnp.ones((n * per_device,), jnp.float32),
+                       NamedSharding(mesh, PartitionSpec("d")))
+    one, many = (time_steps(chain(c), x, num_steps=steps, warmup=2)[2] for c in (1, 17))
+    per_op.append(max(many - one, 0.0) / 16)
+  alpha = per_op[0]
+  beta = max(per_op[1] - alpha, 0.0) / (2 * (n - 1) / n * 4 * 2**20)
+  log.info("calibration links: α %.3g s, β %.3g s/byte", alpha, beta)
+  return alpha, beta
 
 
 def _store(profile: Profile) -> None:

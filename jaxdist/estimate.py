@@ -21,16 +21,21 @@ mesh's α-β costs.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
+import warnings
 from typing import Any
+
+import jax.extend.core as jex
 
 from jaxdist import calibration
 from jaxdist import jaxpr_util
 from jaxdist import methods as m
-from jaxdist.accumulate import align
+from jaxdist.accumulate import align, split_at_marker
 from jaxdist.grad import GRAD
 from jaxdist.liveness import Timeline
+from jaxdist.mesh import LogicalMesh, device_costs
 from jaxdist.shard.cost import CostModel, combining_for
 from jaxdist.shard.specs import from_partition_spec, num_shards
 from jaxdist.shard.strategies import nbytes
@@ -54,7 +59,8 @@ class Estimate:
       live at the peak) and ``temporaries`` (the rest live at the peak).
     step_time_s: ``compute_s + communication_s``.
     compute_s: flops of dots and convolutions per device over the peak (calibrated).
-    communication_s: the predicted collectives under the mesh's α-β costs.
+    communication_s: the predicted collectives under the mesh's α-β costs (the
+      calibration profile's measured ones where the mesh has its device kind's defaults).
     collectives: kind → {"count", "result_bytes"} per step and device, predicted.
     plan: the method's plan (ShardParallel: the chosen mesh and specs).
     notes: how the figures were made (calibration, approximations).
@@ -68,6 +74,8 @@ class Estimate:
       does not skip candidates on such estimates.
     stages: PipeshardParallel: one :class:`StageEstimate` per stage (the figures above
       are the stage with the largest memory_per_device; times are the pipelined step's).
+    compiled_collectives: with ``compile=True``: the compiled step's collectives, as
+      ``collectives`` (kind → count, result bytes); else None.
   """
 
   method: str
@@ -84,6 +92,7 @@ class Estimate:
   bytes_accessed: float = 0.0
   approximate: bool = False
   stages: tuple = ()
+  compiled_collectives: dict[str, dict[str, float]] | None = None
 
   def summary(self) -> str:
     mib = 2.0**20
@@ -102,8 +111,13 @@ class Estimate:
                    + ("" if st.compiled_program_bytes is None else
                       f"; its backward program {st.program_bytes / mib:.2f} MiB, compiled "
                       f"{st.compiled_program_bytes / mib:.2f} MiB"))
-    for kind, c in sorted(self.collectives.items()):
-      lines.append(f"  {kind}: {int(c['count'])} x, {c['result_bytes']:.0f} B")
+    compiled = self.compiled_collectives
+    none = {"count": 0, "result_bytes": 0.0}
+    for kind in sorted(set(self.collectives) | set(compiled or ())):
+      c, xla = self.collectives.get(kind, none), (compiled or {}).get(kind, none)
+      lines.append(f"  {kind}: {int(c['count'])} x, {c['result_bytes']:.0f} B" + (
+          "" if compiled is None else
+          f" (compiled {int(xla['count'])} x, {xla['result_bytes']:.0f} B)"))
     if self.compiled is not None:
       total = self.compiled["total"]
       lines.append(f"  compiled     {total / mib:10.2f} MiB "
@@ -179,7 +193,8 @@ def estimate(step, *args, method: m.Method | None = None, compile: bool = False,
   planned = func.planned(*args)
   est = estimate_planned(method, planned, lambda: _micro_step(func, planned, args), calibrated)
   if compile:
-    est = dataclasses.replace(est, compiled=_compiled_figures(planned))
+    figures, collectives = _compiled_figures(planned)
+    est = dataclasses.replace(est, compiled=figures, compiled_collectives=collectives)
   return est
 
 
@@ -220,18 +235,24 @@ def estimate_planned(method: m.Method, planned, micro_step, calibrated: bool = T
   if planned.shard_plan is not None:
     collectives = dict(planned.shard_plan.predicted_collectives)
   else:
-    collectives = _data_parallel_collectives(method, planned.traced, layout, lmesh)
+    collectives = _data_parallel_collectives(method, planned.step, layout, lmesh)
   breakdown.update(work.temps)
-  cost_model = CostModel(lmesh, combining=combining_for(lmesh.devices[0].platform),
-                         peak_flops=lmesh.peak_flops)
-  communication = _communication_seconds(collectives, cost_model, lmesh)
   written = work.written + outputs + sum(breakdown[p] for p in ("params", "optimizer", "batch"))
   profile = calibration.load(profile_devices or lmesh.devices) if calibrated else None
+  links = lmesh
+  if profile is not None and profile.alpha_s is not None and _default_costs(lmesh):
+    links = LogicalMesh(lmesh.shape, axis_names=lmesh.axis_names, alpha=profile.alpha_s,
+                        beta=profile.beta_s_per_byte, devices=lmesh.devices,
+                        peak_flops=lmesh.peak_flops)
+    notes.append(f"communication time at the link costs {profile.path} measured: α "
+                 f"{profile.alpha_s * 1e6:.3g} µs, {1e-9 / max(profile.beta_s_per_byte, 1e-30):.3g} "
+                 f"GB/s (the mesh has its device kind's default costs)")
+  communication = communication_seconds(collectives, links)
   if profile is not None:
     compute = profile.compute_seconds(work.flops, written)
     notes.append(f"compute time calibrated by {profile.path} ({profile.created})")
   else:
-    compute = work.flops / lmesh.peak_flops + written / cost_model.memory_bandwidth
+    compute = work.flops / lmesh.peak_flops + written / CostModel(lmesh).memory_bandwidth
     notes.append("compute time at the device kind's peak flops and memory bandwidth (no "
                  "calibration profile for these devices: jaxdist.calibrate())")
   from jaxdist.executable import make_plan
@@ -376,24 +397,58 @@ def _split_step(planned, closed, size=nbytes, gathered_inputs=None):
 
 
 def _data_parallel_collectives(method, traced, layout, lmesh):
-  """The per-step collectives of the fixed layouts: gradients all-reduced (combined where
-  the backend combines all-reduces), ZeRO's parameters all-gathered."""
+  """The per-step collectives of the fixed layouts: gradients all-reduced or, where the
+  layout reduce-scatters them (ZeRO through ``jaxdist.grad``), reduce-scattered; ZeRO's
+  parameters all-gathered. One op per leaf, or one in all where the backend combines
+  that kind."""
   if lmesh.num_devices == 1:
     return {}
+  combining = combining_for(lmesh.devices[0].platform).kinds
+  out = {}
+
+  def add(kind, sizes, result_bytes):
+    if sizes:
+      count = 1.0 if kind in combining else float(len(sizes))
+      out[kind] = {"count": count, "result_bytes": float(result_bytes)}
+
   params = [l for l in traced.inputs if l.role == PARAM]
-  grad_bytes = sum(_bytes(l.shape, l.dtype) for l in params)
-  combined = "all-reduce" in combining_for(lmesh.devices[0].platform).kinds
-  out = {"all-reduce": {"count": 1.0 if combined else float(len(params)),
-                        "result_bytes": grad_bytes}}
-  sharded = [l for l, spec in zip(traced.inputs, layout.in_specs)
-             if l.role == PARAM and _shards(spec, lmesh) > 1]
+  if layout.grad_reduce_specs is not None and traced.marker_index is not None:
+    marker = traced.closed_jaxpr.jaxpr.eqns[traced.marker_index]
+    reduced = [nbytes(v) for v, s in zip(marker.invars, layout.grad_reduce_specs) if s is None]
+    scattered = [nbytes(v) for v, s in zip(marker.invars, layout.grad_reduce_specs)
+                 if s is not None]
+    add("all-reduce", reduced, sum(reduced))
+    add("reduce-scatter", scattered, sum(scattered) / lmesh.num_devices)
+  else:
+    sizes = [_bytes(l.shape, l.dtype) for l in params]
+    add("all-reduce", sizes, sum(sizes))
   if isinstance(method, m.Zero2Parallel):
-    gathered = sum(_bytes(l.shape, l.dtype) for l in params)
-    out["all-gather"] = {"count": float(len(params)), "result_bytes": gathered}
-  if isinstance(method, m.Zero3Parallel) and sharded:
-    gathered = sum(_bytes(l.shape, l.dtype) for l in sharded)
-    out["all-gather"] = {"count": 2.0 * len(sharded), "result_bytes": 2 * gathered}
+    sizes = [_bytes(l.shape, l.dtype) for l in params]
+    add("all-gather", sizes, sum(sizes))
+  if isinstance(method, m.Zero3Parallel):
+    sizes = [_bytes(l.shape, l.dtype) for l, n in _gathers(traced, layout, lmesh)
+             for _ in range(n)]
+    add("all-gather", sizes, sum(sizes))
   return out
+
+
+def _gathers(traced, layout, lmesh) -> list[tuple[Any, int]]:
+  """ZeRO-3's sharded parameters with how often each is all-gathered per step: once
+  before every equation of the gradient part reading it, per micro-batch, where the
+  parameters are streamed (``jaxdist.accumulate``); else twice (forward and backward)."""
+  sharded = [(k, l) for k, (l, spec) in enumerate(zip(traced.inputs, layout.in_specs))
+             if l.role == PARAM and _shards(spec, lmesh) > 1]
+  if not layout.stream_inputs or traced.marker_index is None:
+    return [(l, 2) for _, l in sharded]
+  with warnings.catch_warnings():  # the compile warns about the split, if it must
+    warnings.simplefilter("ignore")
+    split = split_at_marker(traced)
+  grad_jaxpr = split.grad_jaxpr.jaxpr
+  reads = collections.Counter()
+  for i in split.grad_eqns:
+    for v in {v for v in grad_jaxpr.eqns[i].invars if not isinstance(v, jex.Literal)}:
+      reads[v] += 1
+  return [(l, reads[grad_jaxpr.invars[k]] * layout.num_micro_batches) for k, l in sharded]
 
 
 def _shard_parallel(planned):
@@ -470,9 +525,11 @@ def _compute_shards(strategy, sizes, out_shards) -> int:
   return max(out_shards * reduced, 1)
 
 
-def _communication_seconds(collectives, cost_model: CostModel, lmesh) -> float:
-  """α-β time of the predicted collectives, over every mesh axis (a conservative
-  placement where the kind's axes are not recorded)."""
+def communication_seconds(collectives, lmesh) -> float:
+  """α-β time of the predicted collectives on ``lmesh``, over every mesh axis (a
+  conservative placement where the kind's axes are not recorded)."""
+  cost_model = CostModel(lmesh, combining=combining_for(lmesh.devices[0].platform),
+                         peak_flops=lmesh.peak_flops)
   axes = lmesh.axis_names
   seconds = 0.0
   for kind, c in collectives.items():
@@ -490,7 +547,15 @@ def _communication_seconds(collectives, cost_model: CostModel, lmesh) -> float:
   return seconds
 
 
-def _compiled_figures(planned) -> dict[str, float]:
+def _default_costs(lmesh) -> bool:
+  """Whether every axis of ``lmesh`` has its device kind's default α and β."""
+  alpha, beta, _ = device_costs(lmesh.devices[0])
+  return set(lmesh.alpha) == {alpha} and set(lmesh.beta) == {beta}
+
+
+def _compiled_figures(planned) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+  """XLA's memory figures and collectives of the planned step."""
+  from jaxdist import inspect as hlo_inspect
   from jaxdist.executable import compile_layout
   compiled = compile_layout(planned.step, planned.layout)
   ma = compiled.memory_analysis()
@@ -498,4 +563,6 @@ def _compiled_figures(planned) -> dict[str, float]:
                  alias=ma.alias_size_in_bytes, temp=ma.temp_size_in_bytes)
   figures["total"] = (figures["argument"] + figures["output"] - figures["alias"]
                       + figures["temp"])
-  return {k: float(v) for k, v in figures.items()}
+  collectives = {kind: {"count": float(c.count), "result_bytes": float(c.result_bytes)}
+                 for kind, c in hlo_inspect.collective_summary(compiled.as_text()).items()}
+  return {k: float(v) for k, v in figures.items()}, collectives

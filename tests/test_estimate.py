@@ -52,6 +52,12 @@ def test_memory_estimate_matches_the_compiled_step(workload, method, k):
   assert est.memory_per_device == pytest.approx(sum(est.breakdown.values()))
   assert est.step_time_s == pytest.approx(est.compute_s + est.communication_s)
   assert est.flops > 0 and est.plan.method == est.method
+  # The collectives it prices are the ones XLA compiled: counts and bytes within 10%.
+  none = {"count": 0.0, "result_bytes": 0.0}
+  for kind in set(est.collectives) | set(est.compiled_collectives):
+    p, c = est.collectives.get(kind, none), est.compiled_collectives.get(kind, none)
+    for field in ("count", "result_bytes"):
+      assert abs(p[field] - c[field]) <= 0.10 * max(p[field], c[field]), est.summary()
 
 
 def test_abstract_inputs_estimate_as_concrete_ones():
@@ -72,11 +78,20 @@ def test_a_profile_calibrates_compute_time(tmp_path, monkeypatch):
   profile = calibration.Profile(devices[0].platform, devices[0].device_kind, len(devices),
                                 seconds_per_flop=1e-10, seconds_per_byte=1e-9, overhead_s=1e-3,
                                 points=(), created="now", jax_version=jax.__version__,
-                                path=str(calibration.profile_path(devices)))
+                                path=str(calibration.profile_path(devices)), alpha_s=2e-4,
+                                beta_s_per_byte=1e-9)
   calibration._store(profile)
   est = jd.estimate(step, state, batch, method=jd.DataParallel())
   assert est.compute_s == pytest.approx(1e-3 + est.flops * 1e-10 + est.bytes_accessed * 1e-9)
   assert any("calibrated by" in n for n in est.notes)
+  # The measured links price the communication (one combined gradient all-reduce) ...
+  (reduce,) = est.collectives.values()
+  n = len(devices)
+  assert est.communication_s == pytest.approx(2e-4 + 2 * (n - 1) / n * reduce["result_bytes"] * 1e-9)
+  # ... unless the mesh states its own costs.
+  given = jd.estimate(step, state, batch, method=jd.DataParallel(
+      devices=jd.LogicalMesh((n,), alpha=5e-6, beta=1e-11)))
+  assert given.communication_s == pytest.approx(5e-6 + 2 * (n - 1) / n * reduce["result_bytes"] * 1e-11)
 
 
 @pytest.mark.parametrize("workload", [_mlp, _gpt], ids=["mlp", "gpt"])

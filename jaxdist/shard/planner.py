@@ -449,13 +449,25 @@ def _micro_batch_predictions(step: TracedStep, plan: MeshPlan, layout: Layout, k
       graph, choice, cost_model, repeat=lambda node, kind, axes: k if inside(node) else 1,
       axes_of=axes_of)
   reductions = {}
+  producer = {id(o): i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
   for v, spec in zip(marker.invars, layout.grad_reduce_specs):
     if isinstance(v, jex.Literal) or not _produced(v, graph) or shards == 1:
       continue
     local = tuple(tuple(a for a in axes if a not in batch) for axes in graph.spec_of(v, choice))
     nbytes_ = nbytes(v) / num_shards(local, sizes)
-    kind = "all-reduce" if spec is None else "reduce-scatter"
-    reductions.setdefault(kind, []).append(nbytes_ if spec is None else nbytes_ / shards)
+    # A gradient constrained to a split over other axes is all-reduced on its shards and
+    # sliced, not reduce-scattered (as jaxdist.accumulate does).
+    split_inside = producer.get(id(v)) in layout.eqn_constraints and any(local)
+    kind = "all-reduce" if spec is None or split_inside else "reduce-scatter"
+    reductions.setdefault(kind, []).append(nbytes_ if kind == "all-reduce" else nbytes_ / shards)
+  # A parameter split over a batch axis enters the region gathered over it, once.
+  read = {v for e in jaxpr.eqns if id(e) in looped for v in e.invars
+          if not isinstance(v, jex.Literal)}
+  for v, spec in zip(jaxpr.invars, plan.input_specs):
+    if v in read and step.inputs[jaxpr.invars.index(v)].role == PARAM and shards > 1 and any(
+        a in batch for axes in spec for a in axes):
+      local = tuple(tuple(a for a in axes if a not in batch) for axes in spec)
+      reductions.setdefault("all-gather", []).append(nbytes(v) / num_shards(local, sizes))
   combining = cost_model.combining
   for kind, sizes_ in reductions.items():
     count = (max(1, math.ceil(sum(sizes_) / combining.threshold_bytes),
