@@ -64,10 +64,18 @@ def store(digest: str, solution: Solution) -> None:
                   "status": solution.status})
 
 
+RESULT_FIELDS = frozenset({"shape", "long_scans", "rolled", "objective", "mesh_objectives",
+                           "predicted_collectives", "layout"})
+
+
 def load_result(digest: str) -> dict | None:
-  """A cached search result as :func:`store_result` wrote it, or None."""
+  """A cached search result as :func:`store_result` wrote it, or None (absent, unreadable
+  or lacking a field)."""
   data = _read(digest)
-  return data if isinstance(data, dict) and "layout" in data else None
+  if (not isinstance(data, dict) or not RESULT_FIELDS <= data.keys()
+      or not isinstance(data["layout"], dict) or not isinstance(data["long_scans"], bool)):
+    return None
+  return data
 
 
 def store_result(digest: str, result: dict) -> None:

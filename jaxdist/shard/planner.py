@@ -187,13 +187,15 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
     if hit["long_scans"] != long_scans:  # planned again without stand-ins (see below)
       inner = plan_shard_parallel(method, given_step, base, long_scans=False)
       return dataclasses.replace(inner, layout=dataclasses.replace(
-          inner.layout, notes=tuple(hit["layout"]["notes"])))
+          inner.layout, notes=tuple(hit["layout"].get("notes", inner.layout.notes))))
     lmesh = mesh_for(tuple(hit["shape"]), base, names)
     layout = _decode_layout(hit["layout"], lmesh)
-    if hit["rolled"]:
+    if layout is None:  # a file not written by this version: plan as if absent
+      hit = None
+    elif hit["rolled"]:
       layout = dataclasses.replace(layout, rolled=roll(
           rolled_jaxpr, origins, layout.eqn_constraints, layout.operand_constraints))
-    if not isinstance(layout.rolled, str):
+    if hit is not None and not isinstance(layout.rolled, str):
       return ShardPlanResult(step, layout, hit["objective"], hit["mesh_objectives"],
                              hit["predicted_collectives"], lambda: _plan_one(
                                  step, lmesh, opt, pinned, k, regions, weights, pairs, text))
@@ -328,17 +330,21 @@ def _encode_layout(layout: Layout) -> dict:
                                   for i, v in (layout.operand_constraints or {}).items()]}
 
 
-def _decode_layout(data: dict, lmesh: LogicalMesh) -> Layout:
+def _decode_layout(data: dict, lmesh: LogicalMesh) -> Layout | None:
+  """The layout :func:`_encode_layout` wrote, or None if ``data`` is not one."""
   def specs(values):
     return None if values is None else tuple(cache.decode(s) for s in values)
 
-  out_specs = specs(data["out_specs"])
-  return Layout(lmesh, specs(data["in_specs"]), out_specs, (None,) * len(out_specs),
-                notes=tuple(data["notes"]), num_micro_batches=data["num_micro_batches"],
-                batch_axes=tuple(data["batch_axes"]),
-                grad_reduce_specs=specs(data["grad_reduce_specs"]),
-                eqn_constraints={i: specs(v) for i, v in data["eqn_constraints"]},
-                operand_constraints={i: specs(v) for i, v in data["operand_constraints"]})
+  try:
+    out_specs = specs(data["out_specs"])
+    return Layout(lmesh, specs(data["in_specs"]), out_specs, (None,) * len(out_specs),
+                  notes=tuple(data["notes"]), num_micro_batches=data["num_micro_batches"],
+                  batch_axes=tuple(data["batch_axes"]),
+                  grad_reduce_specs=specs(data["grad_reduce_specs"]),
+                  eqn_constraints={i: specs(v) for i, v in data["eqn_constraints"]},
+                  operand_constraints={i: specs(v) for i, v in data["operand_constraints"]})
+  except (KeyError, TypeError, ValueError):
+    return None
 
 
 def _stand_in_pairs(origins: list, weights: list) -> list[tuple[int, int]]:
