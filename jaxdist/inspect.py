@@ -191,10 +191,14 @@ def _topological(entry: str, calls) -> list[str]:
 
 
 def collective_summary(hlo_text: str) -> dict[str, CollectiveStats]:
-  """Per-step totals per collective kind (kinds that do not occur are left out)."""
+  """Per-step totals per collective kind (kinds that do not occur are left out).
+
+  A collective whose groups hold one device each moves nothing (XLA keeps a ``psum``
+  over a one-device mesh as such an op) and is left out too.
+  """
   totals: dict[str, CollectiveStats] = {}
   for c in parse_collectives(hlo_text)[0]:
-    if c.multiplicity == 0:
+    if c.multiplicity == 0 or c.group_size <= 1:
       continue
     stats = CollectiveStats(c.multiplicity, c.multiplicity * c.result_bytes,
                             c.multiplicity * c.wire_bytes)

@@ -47,6 +47,7 @@ ENTRY %main (x: f32[64,32]) -> f32[8,32] {
   %a2a = f32[64,32]{1,0} all-to-all(%x), channel_id=5, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}
   %c = (s32[], f32[256]{0}) call(%init), to_apply=%wrapped
   %ars = (f32[4]{0}, bf16[8]{0}) all-reduce-start(%x, %x), channel_id=6, replica_groups=mesh['a'=2,'b'=4] {'b'}, to_apply=%add
+  %one = f32[64,32]{1,0} all-reduce(%x), channel_id=7, replica_groups={{0}}, use_global_device_ids=true, to_apply=%add
   ROOT %r = f32[8,32]{1,0} copy(%rs)
 }
 """
@@ -61,8 +62,9 @@ def test_synthetic_module_every_syntax_and_nested_loops():
   assert found["a2a"].group_size == 2
   assert found["ars"].kind == "all-reduce" and found["ars"].group_size == 4
   assert found["ars"].result_bytes == 4 * 4 + 8 * 2
+  assert found["one"].group_size == 1 and found["one"].wire_bytes == 0
   summary = hlo.collective_summary(SYNTHETIC)
-  assert summary["all-reduce"].count == 16
+  assert summary["all-reduce"].count == 16  # a psum over one device moves nothing: not counted
   assert summary["all-reduce"].wire_bytes == pytest.approx(15 * 2 * 3 / 4 * 1024 + 2 * 3 / 4 * 32)
   assert summary["all-gather"].result_bytes == 5 * 2048 * 4
   assert summary["reduce-scatter"].wire_bytes == 7 * 8 * 32 * 4
