@@ -248,6 +248,9 @@ def test_bad_shard_parallel_input():
   with pytest.raises(errors.InvalidArgumentError, match=r"'params\*kernel' matches no leaf.*state.*mean '\*params\*kernel\*'"):
     run(logical_mesh_shape=(2, 4), auto_sharding_option=jd.AutoShardingOption(
         partition_constraints={"params*kernel": P()}))
+  with pytest.raises(errors.InvalidArgumentError, match=r"more than one dimension over mesh axis 'mesh_0'"):
+    run(logical_mesh_shape=(2, 4), auto_sharding_option=jd.AutoShardingOption(
+        partition_constraints={"state.params['params']['Dense_0']['kernel']": P("mesh_0", "mesh_0")}))
   with pytest.raises(errors.InvalidArgumentError, match=r"does not divide.*\(64, 6\)"):
     run(logical_mesh_shape=(2, 4), auto_sharding_option=jd.AutoShardingOption(
         partition_constraints={"state.params['params']['Dense_1']['kernel']": P(None, "mesh_1")}))

@@ -585,11 +585,17 @@ def _validated_constraint(pattern, pspec, leaf, lmesh) -> DimAxes:
         f"PartitionSpec with at most {len(leaf.shape)} entries.")
   spec = from_partition_spec(pspec, len(leaf.shape))
   sizes = dict(zip(lmesh.axis_names, lmesh.shape))
-  unknown = [a for axes in spec for a in axes if a not in sizes]
+  named = [a for axes in spec for a in axes]
+  unknown = [a for a in named if a not in sizes]
   if unknown:
     raise errors.InvalidArgumentError(
         f"partition_constraints[{pattern!r}] = {pspec!r} names mesh axis {unknown[0]!r}; the "
         f"logical mesh {lmesh.shape} has axes {lmesh.axis_names}.")
+  twice = sorted({a for a in named if named.count(a) > 1})
+  if twice:
+    raise errors.InvalidArgumentError(
+        f"partition_constraints[{pattern!r}] = {pspec!r} splits more than one dimension over "
+        f"mesh axis {twice[0]!r}; each axis may split at most one dimension of a leaf.")
   if not divides(leaf.shape, spec, sizes):
     raise errors.InvalidArgumentError(
         f"partition_constraints[{pattern!r}] = {pspec!r} does not divide {leaf.path} of shape "
