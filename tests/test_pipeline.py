@@ -73,6 +73,9 @@ def test_pipeline_matches_serial_twice_in_a_row(method, in_flight):
     in_flight = [min(len(exe.stages) - s, 4) for s in range(len(exe.stages))]
   assert exe.stats["max_in_flight"] == in_flight
   assert exe.stats["dispatched"] == 2 * len(in_flight) * 4
+  # The host time splits into the programs' calls, the moves and the driver's own Python.
+  assert 0 < exe.stats["call_s"] and 0 < exe.stats["move_s"]
+  assert exe.stats["call_s"] + exe.stats["move_s"] < exe.stats["dispatch_s"]
   stage_devices = [frozenset(d.id for d in st.mesh.devices) for st in exe.stages]
   assert set().union(*stage_devices) == set(range(8)) and sum(map(len, stage_devices)) == 8
   # State lives on its stage's sub-mesh: every parameter and its momentum on one stage.

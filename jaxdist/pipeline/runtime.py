@@ -225,8 +225,10 @@ class PipelineExecutable:
     schedule: the :class:`~jaxdist.pipeline.schedule.Schedule` the driver runs.
     stats: after a call, ``{"max_in_flight": per stage the most micro-batches whose
       inputs it held at once, "dispatched": stage programs issued, "dispatch_s": host
-      seconds the driver took to issue them}`` (the driver's own overhead, plus the
-      compute of programs the runtime runs synchronously).
+      seconds the driver took to issue them, "call_s": the part of it spent inside the
+      stage programs' calls (the runtime's dispatch, plus the compute of programs it
+      runs synchronously), "move_s": the part spent issuing moves between sub-meshes}``;
+      the rest, ``dispatch_s - call_s - move_s``, is the driver's own Python.
     input_shardings, output_shardings: pytrees of ``NamedSharding``.
     auto_sharding_objective: the stages' shard-plan objectives (backward, plus forward
       where planned, per micro-batch) combined as a pipelined step,
@@ -678,13 +680,19 @@ class PipelineExecutable:
     peak = [0] * len(self.stages)
     dispatched = 0
     out_index = {v: i for i, v in enumerate(jaxpr.outvars)}
-    start = time.perf_counter()
+    clock = time.perf_counter
+    call_s = move_s = 0.0
+    start = clock()
     for ins in self.schedule.instructions:
       s, b, st = ins.stage, ins.micro_batch, self.stages[ins.stage]
       if ins.kind == FORWARD:
+        t0 = clock()
         ops = ops_for(s, b)
         acts_in = [move(acts[b, v], a.sharding) for v, a in zip(st.acts_in, st.in_avals)]
+        t1 = clock()
         outs = st.run_forward(ops, acts_in)
+        move_s += t1 - t0
+        call_s += clock() - t1
         for v, x in zip(st.acts_out, outs):
           acts[b, v] = x
           if v in out_index:
@@ -700,18 +708,24 @@ class PipelineExecutable:
           c = cots.pop((b, v), None)
           if v is jaxpr.outvars[0]:  # the loss value: d(mean over micro-batches)/d(value_b)
             c = self._constant(a, 1.0 / k)
+          t0 = clock()
           cot_out.append(move(c, a.sharding) if c is not None else self._constant(a, 0.0))
+          move_s += clock() - t0
         if s not in accumulated:
           accumulated[s] = st.zeros()
+        t0 = clock()
         accumulated[s], act_cots = st.run_backward(ops, acts_in, cot_out, accumulated[s])
+        call_s += clock() - t0
         for p, c in zip(st.float_in, act_cots):
           v = st.acts_in[p]
+          t0 = clock()
           c = move(c, self._cot_shardings[v])
+          move_s += clock() - t0
           cots[b, v] = c if (b, v) not in cots else cots[b, v] + c
         in_flight[s] -= 1
       dispatched += ins.kind in (FORWARD, BACKWARD)
     self.stats = {"max_in_flight": peak, "dispatched": dispatched,
-                  "dispatch_s": time.perf_counter() - start}
+                  "dispatch_s": clock() - start, "call_s": call_s, "move_s": move_s}
     # A gradient stays on the stage that reads its operand; if several stages read it,
     # their sums are added where its result lives (all devices).
     num_aux = loss.kinds.count(capture.AUX)
