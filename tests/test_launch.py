@@ -36,12 +36,8 @@ def _result_from(stdout: str, process: int) -> tuple[dict, str]:
   return json.loads(lines[0][len(prefix):]), stdout
 
 
-def test_two_process_data_parallel_matches_single_process():
-  result, stdout = _result("dp_worker.py", 0)
-  assert result["processes"] == 2 and result["devices"] == 8
-  assert any(l.startswith("[1] mean") for l in stdout.splitlines())  # both streamed
-
-  # The same two steps, serial, in this process (see dp_worker.py).
+def _serial_mlp_steps():
+  """Two serial steps of the workers' MLP: (losses, the first kernel's sum)."""
   model = models.MLP(hidden=64, num_layers=2)
   batch = models.regression_batch(32, 16)
   state = models.create_state(model, batch["x"], tx=optax.sgd(0.1, momentum=0.9))
@@ -50,7 +46,14 @@ def test_two_process_data_parallel_matches_single_process():
   for _ in range(2):
     state, metrics = step(state, batch)
     losses.append(float(metrics["loss"]))
-  kernel_sum = float(state.params["params"]["Dense_0"]["kernel"].sum())
+  return losses, float(state.params["params"]["Dense_0"]["kernel"].sum())
+
+
+def test_two_process_data_parallel_matches_single_process():
+  result, stdout = _result("dp_worker.py", 0)
+  assert result["processes"] == 2 and result["devices"] == 8
+  assert any(l.startswith("[1] mean") for l in stdout.splitlines())  # both streamed
+  losses, kernel_sum = _serial_mlp_steps()  # the same two steps (see dp_worker.py)
   for name in ("dp", "zero2_k2"):
     np.testing.assert_allclose(result[name]["losses"], losses, rtol=1e-5, err_msg=name)
     np.testing.assert_allclose(result[name]["kernel_sum"], kernel_sum, rtol=1e-5, err_msg=name)
@@ -81,6 +84,21 @@ def test_two_process_pipelines_with_one_stage_per_process_match_serial():
     assert run["spmd_mesh"] == [2, 4]
     np.testing.assert_allclose(run["spmd_losses"], losses, rtol=1e-5)
     np.testing.assert_allclose(run["spmd_param_sums"], sums, rtol=1e-5, atol=1e-5)
+
+
+def test_processes_agree_on_plans_and_picks_that_could_differ():
+  """Process 1's ILP returns another plan (as a solve stopped by its time limit may) and
+  each process measures a different tuning candidate as the slow one: both compile
+  process 0's plan, train as the serial step does, and tune picks process 0's best."""
+  first, stdout = _result("agree_worker.py", 0)
+  second, _ = _result_from(stdout, 1)
+  assert second["solver_differed"] is True  # the test does make process 1 see another plan
+  assert first["plan"] == second["plan"]
+  losses, _ = _serial_mlp_steps()
+  for run in (first, second):
+    np.testing.assert_allclose(run["losses"], losses, rtol=1e-5)
+  assert first["best"] == second["best"] == "DataParallel"
+  assert first["times"] == second["times"]
 
 
 def test_a_failing_process_fails_the_launch():

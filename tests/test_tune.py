@@ -174,5 +174,5 @@ def test_a_candidate_that_is_not_a_method_is_refused_before_any_trial():
     jd.tune(step, state, data, candidates=[jd.DataParallel(), "zero3"], progress=False)
   with pytest.raises(errors.InvalidArgumentError, match=r"memory_budget_per_device=-5.*positive"):
     jd.tune(step, state, data, memory_budget_per_device=-5, progress=False)
-  with pytest.raises(errors.InvalidArgumentError, match=r"time_budget_s=0.*positive"):
-    jd.tune(step, state, data, time_budget_s=0, progress=False)
+  with pytest.raises(errors.InvalidArgumentError, match=r"time_budget_s=-1.*>= 0"):
+    jd.tune(step, state, data, time_budget_s=-1, progress=False)

@@ -18,10 +18,12 @@ import re
 import time
 from typing import Callable
 
+import jax
 import jax.extend.core as jex
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from jaxdist import agree
 from jaxdist import errors
 from jaxdist import jaxpr_util
 from jaxdist import methods as m
@@ -183,7 +185,10 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
   text = str(step.closed_jaxpr)  # the cache keys' largest part, printed once
   digest = cache.key("result", text, _mesh_key(base), shapes, names, opt, pinned, k, long_scans,
                      [(l.shape, str(l.dtype), l.role) for l in step.inputs])
-  if opt.plan_cache and (hit := cache.load_result(digest)) is not None:
+  # Every process of a job compiles process 0's plan: its cached result if it has one,
+  # else what the processes solve (each solve agreed on in _plan_one).
+  hit = agree.process_zeros(cache.load_result(digest) if opt.plan_cache else None)
+  if hit is not None:
     if hit["long_scans"] != long_scans:  # planned again without stand-ins (see below)
       inner = plan_shard_parallel(method, given_step, base, long_scans=False)
       return dataclasses.replace(inner, layout=dataclasses.replace(
@@ -639,7 +644,7 @@ def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
   digest = cache.key(jaxpr_text or str(step.closed_jaxpr),
                      [(l.shape, str(l.dtype), l.role) for l in step.inputs], _mesh_key(lmesh),
                      opt, pinned, num_micro_batches, tied, regions is not None)
-  solution = cache.load(digest, len(graph.group_sizes)) if opt.plan_cache else None
+  solution = loaded = cache.load(digest, len(graph.group_sizes)) if opt.plan_cache else None
   if solution is None:
     # A stand-in's two iterations always share one plan: the loop compiles with one body.
     ties = (tie_groups(jaxpr, graph, pairs=pairs) if opt.share_repeated_layers else
@@ -654,8 +659,12 @@ def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
                          ties)
     log.info("mesh %s solved in %.2f s: %.4g ms predicted (%s)", lmesh.shape,
              time.perf_counter() - start, solution.objective * 1e3, solution.status)
-    if opt.plan_cache and solution.status != "time_limit":
-      cache.store(digest, solution)
+  if jax.process_count() > 1:  # a time limit or a cached solution may differ per process
+    choice, objective, status = agree.process_zeros(
+        [list(solution.choice), solution.objective, solution.status])
+    solution = Solution(tuple(choice), objective, status)
+  if opt.plan_cache and solution != loaded and solution.status != "time_limit":
+    cache.store(digest, solution)
   input_specs = tuple(graph.spec_of(v, solution.choice) for v in jaxpr.invars)
   return MeshPlan(lmesh, graph, solution, input_specs, cost_model)
 

@@ -29,6 +29,7 @@ import warnings
 
 import jax
 
+from jaxdist import agree
 from jaxdist import errors
 from jaxdist import jaxpr_util
 from jaxdist import methods as m
@@ -50,6 +51,10 @@ MICRO_BATCHES = (2, 4, 8)
 PIPELINES = ((2, 2), (4, 2), (4, 4), (4, "auto"))
 PIPELINE_MICRO_BATCHES = 4
 MORE_PIPELINE_MICRO_BATCHES = 8
+# A trial's figures that can differ between the processes of a job (measured, or decided
+# by something one process has and another lacks); process 0's are taken.
+AGREED = ("status", "step_time_s", "memory_bytes", "compile_s", "reason",
+          "estimated_memory_bytes", "estimated_step_time_s")
 
 
 def tune(step, *args, memory_budget_per_device: float | None = None, steps: int = 3,
@@ -88,9 +93,9 @@ def tune(step, *args, memory_budget_per_device: float | None = None, steps: int 
     raise errors.InvalidArgumentError(
         f"tune(memory_budget_per_device={budget!r}): give a positive number of bytes per "
         f"device, or None for no limit.")
-  if time_budget_s is not None and not time_budget_s > 0:
+  if time_budget_s is not None and not time_budget_s >= 0:
     raise errors.InvalidArgumentError(
-        f"tune(time_budget_s={time_budget_s!r}): give positive seconds, or None for no limit.")
+        f"tune(time_budget_s={time_budget_s!r}): give seconds >= 0, or None for no limit.")
   for method in candidates or ():
     if not isinstance(method, m.Method):
       raise errors.InvalidArgumentError(
@@ -103,7 +108,8 @@ def tune(step, *args, memory_budget_per_device: float | None = None, steps: int 
   with progress_bar(total, progress) as bar:
     named = [(_name(c), c) for c in given] if given is not None else _guide(walk, devices)
     for name, method in named:
-      if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
+      if time_budget_s is not None and agree.process_zeros(
+          time.perf_counter() - start > time_budget_s):
         walk.add(Trial(name, method, "skipped",
                        reason=f"not reached: time_budget_s={time_budget_s:g} was used up"))
         continue
@@ -250,6 +256,11 @@ class _Walk:
                for e in inlined.jaxpr.eqns) // 3
 
   def add(self, trial: Trial) -> None:
+    if jax.process_count() > 1:
+      # Later candidates and the pick follow from the trials: every process takes
+      # process 0's measurements, so that all run the same walk.
+      trial = dataclasses.replace(trial, **dict(zip(AGREED, agree.process_zeros(
+          [getattr(trial, f) for f in AGREED]))))
     self.trials.append(trial)
     if self.show:
       figures = []
