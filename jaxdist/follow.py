@@ -5,16 +5,28 @@ the evaluation step whose leaves have the train step's shapes at the same argume
 position (the state) takes the train step's specs; a batch leaf is split on dim 0 over
 the axes the train step splits its batch over (when they divide it); other leaves are
 replicated. The shard planner then lays out the evaluation step with those inputs pinned.
+
+A PipeshardParallel train step run by the driver keeps each stage's state on the stage's
+sub-mesh, and one program cannot read arrays on different device sets: its evaluation step
+runs over all the pipeline's devices, a state leaf that lives on all of them keeps its
+sharding, and one that lives on a stage's sub-mesh is split over every device on its
+largest dimension that divides (as ZeRO-3 lays it out), so that no device holds more of
+it than of the whole state's even share. Each call moves those leaves from their stages
+(a copy per evaluation, not per train step). In a multi-process job, pass the state
+through the train step's ``exe.gather`` first: values cross processes only between
+sub-meshes of one size.
 """
 
 from __future__ import annotations
 
 import math
 
+from jax import tree_util
 from jax.sharding import PartitionSpec
 
 from jaxdist import errors
 from jaxdist import methods as m
+from jaxdist.layouts import shard_largest_dim
 from jaxdist.mesh import LogicalMesh
 from jaxdist.plan import Plan, PlanEntry
 from jaxdist.trace import BATCH, TracedStep
@@ -25,17 +37,25 @@ def shard_method(method: m.FollowParallel, step: TracedStep) -> tuple[m.ShardPar
   ``method.src_func``'s layout for ``step``."""
   src = method.src_func
   exe = src.last_executable()
-  if exe is None or not hasattr(exe, "layout"):
+  if exe is None:
     raise errors.InvalidArgumentError(
-        "FollowParallel(src_func=...) follows a compiled SPMD train step: call the train step "
-        "once (or get_executable / create_state on it) before the evaluation step; "
-        "PipeshardParallel train steps are not followed yet.")
-  layout, src_step = exe.layout, exe.traced_step
-  lmesh = layout.logical_mesh
+        "FollowParallel(src_func=...) follows a compiled train step: call the train step "
+        "once (or get_executable / create_state on it) before the evaluation step.")
+  src_step = exe.traced_step
+  if hasattr(exe, "layout"):
+    lmesh, specs = exe.layout.logical_mesh, exe.layout.in_specs
+  else:  # the pipeline driver: all its devices, state off the stages split over them
+    lmesh = exe.logical_mesh
+    everywhere = set(lmesh.devices)
+    specs = [home.spec if home.device_set == everywhere
+             else shard_largest_dim(leaf.shape, lmesh) or PartitionSpec()
+             for leaf, home in zip(src_step.inputs, tree_util.tree_leaves(exe.input_shardings))]
   by_arg: dict[int, list] = {}
-  for leaf, spec in zip(src_step.inputs, layout.in_specs):
+  for leaf, spec in zip(src_step.inputs, specs):
     by_arg.setdefault(leaf.argnum, []).append((leaf, spec))
-  batch_axes = _batch_axes(src_step, layout)
+  # (The pipeline driver takes its batch whole: its evaluation splits it over every axis.)
+  batch_axes = _batch_axes(src_step, specs) or (() if hasattr(exe, "layout") else
+                                                tuple(lmesh.axis_names))
   sizes = dict(zip(lmesh.axis_names, lmesh.shape))
   mine: dict[int, list] = {}
   for leaf in step.inputs:
@@ -58,9 +78,9 @@ def shard_method(method: m.FollowParallel, step: TracedStep) -> tuple[m.ShardPar
   return m.ShardParallel(devices=lmesh, plan=plan), lmesh
 
 
-def _batch_axes(step: TracedStep, layout) -> tuple[str, ...]:
+def _batch_axes(step: TracedStep, specs) -> tuple[str, ...]:
   """The mesh axes the train step splits its batch's dim 0 over."""
-  for leaf, spec in zip(step.inputs, layout.in_specs):
+  for leaf, spec in zip(step.inputs, specs):
     if leaf.role == BATCH and len(spec) and spec[0] is not None:
       return spec[0] if isinstance(spec[0], tuple) else (spec[0],)
   return ()

@@ -84,6 +84,29 @@ def test_evaluation_follows_the_train_layout(method):
     jd.parallelize(eval_fn, method=jd.FollowParallel(fresh))(state, BATCH)
 
 
+def test_evaluation_follows_a_pipeline_train_step():
+  """The driver keeps each stage's state on its sub-mesh: the evaluation runs over all the
+  devices, every leaf a stage holds split over them (none whole on a device), and the
+  state moves there per call (the train step's own arrays stay usable)."""
+  train = jd.parallelize(models.lm_step(jd.value_and_grad), method=jd.PipeshardParallel(
+      num_micro_batches=2, stage_option=jd.UniformStageOption(num_stages=2),
+      layer_option=jd.AutoLayerOption(layer_num=2)))
+  state, _ = train(init_fn(KEY), BATCH)
+  homes = [x.sharding.device_set for x in jax.tree.leaves(state.params)]
+  assert len(set(map(frozenset, homes))) == 2  # the parameters sit on two stages
+  evaluate = jd.parallelize(eval_fn, method=jd.FollowParallel(train))
+  exe = evaluate.get_executable(state, BATCH)
+  assert exe.plan.mesh_shape == (8,)
+  for x, sharding in zip(jax.tree.leaves(state.params), jax.tree.leaves(exe.input_shardings[0].params)):
+    assert sharding.device_set == set(jax.devices())
+    if any(d % 8 == 0 for d in x.shape):
+      assert sharding.shard_shape(x.shape) != x.shape, (x.shape, sharding.spec)
+  expected = jax.jit(eval_fn)(jax.device_get(state), BATCH)
+  for _ in range(2):
+    np.testing.assert_allclose(evaluate(state, BATCH)["loss"], expected["loss"], rtol=1e-5)
+  state, _ = train(state, BATCH)  # training goes on with the same arrays
+
+
 def test_checkpoints_resume_bit_identically_and_restore_into_another_plan(tmp_path):
   dp = jd.parallelize(models.lm_step(jd.value_and_grad), method=jd.DataParallel())
   state = dp.create_state(init_fn, KEY, batch=BATCH)

@@ -230,6 +230,8 @@ class PipelineExecutable:
       runs synchronously), "move_s": the part spent issuing moves between sub-meshes}``;
       the rest, ``dispatch_s - call_s - move_s``, is the driver's own Python.
     input_shardings, output_shardings: pytrees of ``NamedSharding``.
+    traced_step: the traced step (inputs, roles, jaxpr) it was compiled from.
+    logical_mesh: all the devices its stages use.
     auto_sharding_objective: the stages' shard-plan objectives (backward, plus forward
       where planned, per micro-batch) combined as a pipelined step,
       ``Σ c + (micro-batches − 1) · max c``.
@@ -242,6 +244,7 @@ class PipelineExecutable:
     ``schedule``, ``input_shardings``); it cannot run."""
     jaxpr = step.closed_jaxpr.jaxpr
     self._step, self._dyn_argnums = step, dyn_argnums
+    self.traced_step, self.logical_mesh = step, lmesh
     self._retrace, self._device_losses, self._constants = retrace, {}, {}
     self._index = loss_equation(jaxpr)
     eqn = jaxpr.eqns[self._index]
