@@ -2,7 +2,8 @@
 stages, one per process (model boundaries, 1F1B, 2 micro-batches); every process prints the
 losses of two steps (the loss is made on the last stage, process 1, and comes back readable
 on every process) and the sum of every parameter after them, gathered onto all devices
-(every process gathers; each reads its own copy). Then the same two steps under the SPMD
+(every process gathers; each reads its own copy), and the loss of an evaluation step that
+follows the pipeline, on the gathered state. Then the same two steps under the SPMD
 runtime (one program over a (2 stages, 4 data) mesh, a stage per process, GPipe)."""
 
 import json
@@ -33,6 +34,15 @@ gathered = exe.gather(state.params)  # every process, in the same order
 param_sums = [float(np.asarray(x.addressable_data(0)).sum()) for x in jax.tree.leaves(gathered)]
 assert all(x.sharding.device_set == set(jax.devices()) for x in jax.tree.leaves(gathered))
 stage_processes = [sorted({d.process_index for d in st.mesh.devices}) for st in exe.stages]
+# An evaluation step that follows the pipeline, on the state gathered onto all devices.
+def eval_fn(state, batch):
+  tokens = batch["tokens"]
+  logits = state.apply_fn(state.params, tokens[:, :-1])
+  return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+evaluate = jd.parallelize(eval_fn, method=jd.FollowParallel(step))
+eval_loss = float(evaluate(exe.gather(state), batch))
 state = models.create_state(models.GPT(config), batch["tokens"][:, :-1],
                             tx=optax.sgd(0.1, momentum=0.9))
 spmd = jd.parallelize(models.lm_step(jd.value_and_grad), method=jd.PipeshardParallel(
@@ -46,6 +56,7 @@ replicated = jax.sharding.NamedSharding(jax.sharding.Mesh(jax.devices(), ("all",
 sums = jax.jit(lambda tree: [x.sum() for x in jax.tree.leaves(tree)],
                out_shardings=replicated)(state.params)
 print("RESULT " + json.dumps({"losses": losses, "stage_processes": stage_processes,
+                              "eval_loss": eval_loss,
                               "param_sums": param_sums, "spmd_losses": spmd_losses,
                               "spmd_param_sums": [float(x.addressable_data(0)) for x in sums],
                               "spmd_mesh": list(spmd.get_executable(state, batch).plan.mesh_shape)}))

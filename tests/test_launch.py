@@ -77,8 +77,11 @@ def test_two_process_pipelines_with_one_stage_per_process_match_serial():
     state, metrics = step(state, batch)
     losses.append(float(metrics["loss"]))
   sums = [float(np.asarray(x).sum()) for x in jax.tree.leaves(state.params)]
+  logits = state.apply_fn(state.params, batch["tokens"][:, :-1])
+  eval_loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
   for run in (result, first):
     np.testing.assert_allclose(run["losses"], losses, rtol=1e-5)
+    np.testing.assert_allclose(run["eval_loss"], eval_loss, rtol=1e-5)
     np.testing.assert_allclose(run["param_sums"], sums, rtol=1e-5, atol=1e-5)
     # The SPMD runtime: one program, a stage per process, the same numbers.
     assert run["spmd_mesh"] == [2, 4]
