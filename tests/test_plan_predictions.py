@@ -312,3 +312,15 @@ def test_resharding_follows_what_xla_emits():
       ("collective-permute", (a, b), full / 4)]
   # Gathered before the new split is sliced: the all-gather's result is the whole value.
   assert cost.reshard_collectives(((a,), ()), ((), (b,)), full) == [("all-gather", (a,), full)]
+  # Two dims gathered: the last dim first, so the second gather's result is the whole value
+  # (the first dim's gather alone would be a quarter of it).
+  assert cost.reshard_collectives(((a,), (b,)), ((), ()), full) == [
+      ("all-gather", (b,), full / 2), ("all-gather", (a,), full)]
+  # One dim receives axes from two others: XLA gathers each source dim's axes, the last
+  # dim first, then slices (an involuntary full rematerialization; the GPT under a budget
+  # on 2x4 at alpha 1 us compiled it, predicted as two all-to-alls).
+  assert cost.reshard_collectives(((b,), (a,), ()), ((), (), (a, b)), full) == [
+      ("all-gather", (a,), full / 4), ("all-gather", (b,), full)]
+  # From one of them and from itself: one all-to-all per axis.
+  assert cost.reshard_collectives(((b,), (), (a,)), ((), (), (a, b)), full) == [
+      ("all-to-all", (b,), full / 8)]

@@ -153,36 +153,57 @@ class CostModel:
     any new split is sliced out (or, where each new shard of the dimension lies within
     one old shard, as in ``(a,) → (b,)`` with ``b`` splitting it as finely, in one
     collective-permute). Axes moving to several dimensions at once are beyond XLA's
-    all-to-all resharding: it gathers them (a full rematerialization too).
+    all-to-all resharding: it gathers them (a full rematerialization too). So are axes
+    that one dimension receives from two or more others (``(b, a, -) → (-, -, (a, b))``):
+    XLA gathers each source dimension's released axes, the last dimension first, and
+    slices the new split out of the result (measured on jax 0.10.2).
     """
     if src == dst:
       return []
     sizes = self.axis_sizes
     where_dst = {a: d for d, axes in enumerate(dst) for a in axes}
     per_device = full_bytes / math.prod(sizes[a] for a in where_dst)
-    out = []
+    keeps = []  # per dim, the length of the tiling prefix src and dst share
     for s_axes, d_axes in zip(src, dst):
       keep = 0
       while keep < min(len(s_axes), len(d_axes)) and s_axes[keep] == d_axes[keep]:
         keep += 1
-      released = s_axes[keep:]
-      moving = tuple(a for a in released if a in where_dst)
+      keeps.append(keep)
+    released = [s_axes[keep:] for s_axes, keep in zip(src, keeps)]
+    sources: dict[int, set] = {}
+    for d, axes in enumerate(released):
+      for a in axes:
+        if a in where_dst and where_dst[a] != d:
+          sources.setdefault(where_dst[a], set()).add(d)
+    if any(len(dims) > 1 for dims in sources.values()):
+      out, split = [], [a for axes in src for a in axes]
+      for axes in reversed(released):
+        if axes:
+          split = [a for a in split if a not in axes]
+          out.append(("all-gather", axes, full_bytes / math.prod(sizes[a] for a in split)))
+      return out
+    out, gone = [], set()
+    # XLA reshards the last dimension first: a gather's result is what is left split
+    # after it and the gathers of the later dimensions.
+    for d in reversed(range(len(src))):
+      moving = tuple(a for a in released[d] if a in where_dst)
       if len({where_dst[a] for a in moving}) > 1:
-        others = math.prod(sizes[a] for axes in src for a in axes if a not in released)
-        out.append(("all-gather", released, full_bytes / others))
+        others = math.prod(sizes[a] for axes in src for a in axes if a not in released[d])
+        out.append(("all-gather", released[d], full_bytes / others))
         continue
       if len(moving) > 1:
         out.append(("all-to-all", moving, per_device))
       else:
         out += [("all-to-all", (a,), per_device) for a in moving]
-      gathered = tuple(a for a in released if a not in where_dst)
-      added = tuple(a for a in d_axes[keep:] if not any(a in axes for axes in src))
+      gathered = tuple(a for a in released[d] if a not in where_dst)
+      added = tuple(a for a in dst[d][keeps[d]:] if not any(a in axes for axes in src))
       if gathered and added and (math.prod(sizes[a] for a in added)
                                  % math.prod(sizes[a] for a in gathered) == 0):
         # Every new shard lies within one old shard: one device sends it.
         out.append(("collective-permute", gathered + added, per_device))
       elif gathered:  # gathered before any new split is sliced out of it
-        kept = math.prod(sizes[a] for axes in src for a in axes if a not in gathered)
+        gone.update(gathered)
+        kept = math.prod(sizes[a] for axes in src for a in axes if a not in gone)
         out.append(("all-gather", gathered, full_bytes / kept))
     return out
 
