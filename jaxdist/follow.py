@@ -10,8 +10,8 @@ A PipeshardParallel train step run by the driver keeps each stage's state on the
 sub-mesh, and one program cannot read arrays on different device sets: its evaluation step
 runs over all the pipeline's devices, a state leaf that lives on all of them keeps its
 sharding, and one that lives on a stage's sub-mesh is split over every device on its
-largest dimension that divides (as ZeRO-3 lays it out), so that no device holds more of
-it than of the whole state's even share. Each call moves those leaves from their stages
+largest dimension that divides (as ZeRO-3 lays it out: no device holds a whole leaf).
+Each call moves those leaves from their stages
 (a copy per evaluation, not per train step). In a multi-process job, pass the state
 through the train step's ``exe.gather`` first: values cross processes only between
 sub-meshes of one size.

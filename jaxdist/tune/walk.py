@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import numbers
 import statistics
 import sys
 import time
@@ -87,13 +88,13 @@ def tune(step, *args, memory_budget_per_device: float | None = None, steps: int 
     fun, argnums = step, ("auto", "auto", (1,))
   if steps < 1:
     raise errors.InvalidArgumentError(f"tune(steps={steps!r}): give at least 1 timed step.")
+  number = lambda x: isinstance(x, numbers.Real) and not isinstance(x, bool)
   budget = memory_budget_per_device
-  if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
-                             or not budget > 0):
+  if budget is not None and not (number(budget) and budget > 0):
     raise errors.InvalidArgumentError(
         f"tune(memory_budget_per_device={budget!r}): give a positive number of bytes per "
         f"device, or None for no limit.")
-  if time_budget_s is not None and not time_budget_s >= 0:
+  if time_budget_s is not None and not (number(time_budget_s) and time_budget_s >= 0):
     raise errors.InvalidArgumentError(
         f"tune(time_budget_s={time_budget_s!r}): give seconds >= 0, or None for no limit.")
   for method in candidates or ():
