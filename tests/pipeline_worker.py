@@ -34,13 +34,15 @@ gathered = exe.gather(state.params)  # every process, in the same order
 param_sums = [float(np.asarray(x.addressable_data(0)).sum()) for x in jax.tree.leaves(gathered)]
 assert all(x.sharding.device_set == set(jax.devices()) for x in jax.tree.leaves(gathered))
 stage_processes = [sorted({d.process_index for d in st.mesh.devices}) for st in exe.stages]
-# An evaluation step that follows the pipeline, on the state gathered onto all devices.
+
+
 def eval_fn(state, batch):
   tokens = batch["tokens"]
   logits = state.apply_fn(state.params, tokens[:, :-1])
   return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
+# An evaluation step that follows the pipeline, on the state gathered onto all devices.
 evaluate = jd.parallelize(eval_fn, method=jd.FollowParallel(step))
 eval_loss = float(evaluate(exe.gather(state), batch))
 state = models.create_state(models.GPT(config), batch["tokens"][:, :-1],

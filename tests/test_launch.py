@@ -1,5 +1,7 @@
-"""python -m jaxdist.launch: a 2-process cluster gives the serial result (DataParallel, and
-Zero2Parallel with micro-batches)."""
+"""python -m jaxdist.launch: a 2-process cluster gives the serial result (DataParallel,
+Zero2Parallel with micro-batches, pipelines and an evaluation that follows one, the train
+example resumed from a checkpoint), and its processes agree on plans and tuning picks that
+could differ between them."""
 
 import json
 import os
