@@ -385,10 +385,14 @@ def _split_step(planned, closed, size=nbytes, gathered_inputs=None):
                      if l.role == PARAM)
     timeline.add("reduced", peak.index, peak.index, grad_bytes)
     labels["reduced"] = "grads"
-    notes.append("approximate: the step computes gradients with jax.grad (not jaxdist.grad), "
-                 "so they are not known by name and XLA lays out their reduction itself; the "
-                 "reduced gradients are counted at the backward's peak (measured from 0.8x to "
-                 "3x of XLA's figure for ZeRO; use jaxdist.value_and_grad)")
+    why = ("the step mixes examples beyond the loss's mean, so gradients are computed over "
+           "the whole batch" if markers else
+           "the step computes gradients with jax.grad (not jaxdist.grad), so they are not "
+           "known by name")
+    notes.append(f"approximate: {why} and XLA lays out their reduction itself; the reduced "
+                 "gradients are counted at the backward's peak (measured from 0.8x to 3x of "
+                 "XLA's figure for ZeRO" + ("" if markers else "; use jaxdist.value_and_grad")
+                 + ")")
   temps = _parts(timeline, labels, _forward_end(timeline, marker))
   flops = k * sum(jaxpr_util.eqn_flops(e) for e, _, _ in timeline.eqns)
   written = k * sum(b for _, _, b in timeline.buffers.values())

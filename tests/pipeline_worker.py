@@ -1,5 +1,6 @@
 """Run under `python -m jaxdist.launch` with 2 processes x 4 devices: a GPT pipelined in two
-stages, one per process (model boundaries, 1F1B, 2 micro-batches); every process prints the
+stages, one per process (model boundaries, 1F1B, 2 micro-batches; the optimizer clips by
+the global norm, so the stages' updates share a norm); every process prints the
 losses of two steps (the loss is made on the last stage, process 1, and comes back readable
 on every process) and the sum of every parameter after them, gathered onto all devices
 (every process gathers; each reads its own copy), and the loss of an evaluation step that
@@ -20,8 +21,9 @@ from jaxdist import models  # noqa: E402
 
 config = models.GPTConfig(vocab=64, width=16, heads=2, depth=2, seq_len=16, mark_boundaries=True)
 batch = models.token_batch(16, config)
-state = models.create_state(models.GPT(config), batch["tokens"][:, :-1],
-                            tx=optax.sgd(0.1, momentum=0.9))
+# Clipping by the global norm: each stage's update reads a norm over both stages.
+tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1, momentum=0.9))
+state = models.create_state(models.GPT(config), batch["tokens"][:, :-1], tx=tx)
 step = jd.parallelize(models.lm_step(jd.value_and_grad), method=jd.PipeshardParallel(
     num_micro_batches=2, stage_option=jd.UniformStageOption(num_stages=2)))
 exe = step.get_executable(state, batch)
@@ -30,6 +32,11 @@ for _ in range(2):
   state, metrics = exe(state, batch)
   assert metrics["loss"].sharding.device_set == set(jax.devices())
   losses.append(float(metrics["loss"]))
+# Each stage's parameters and momenta stay on its process's devices.
+spread = [jax.tree_util.keystr(path) for path, x in
+          jax.tree_util.tree_leaves_with_path((state.params, state.opt_state))
+          if x.ndim and len(x.sharding.device_set) != 4]
+assert not spread, spread
 gathered = exe.gather(state.params)  # every process, in the same order
 param_sums = [float(np.asarray(x.addressable_data(0)).sum()) for x in jax.tree.leaves(gathered)]
 assert all(x.sharding.device_set == set(jax.devices()) for x in jax.tree.leaves(gathered))
@@ -45,8 +52,7 @@ def eval_fn(state, batch):
 # An evaluation step that follows the pipeline, on the state gathered onto all devices.
 evaluate = jd.parallelize(eval_fn, method=jd.FollowParallel(step))
 eval_loss = float(evaluate(exe.gather(state), batch))
-state = models.create_state(models.GPT(config), batch["tokens"][:, :-1],
-                            tx=optax.sgd(0.1, momentum=0.9))
+state = models.create_state(models.GPT(config), batch["tokens"][:, :-1], tx=tx)
 spmd = jd.parallelize(models.lm_step(jd.value_and_grad), method=jd.PipeshardParallel(
     num_micro_batches=2, pipeline_schedule="gpipe", runtime="spmd"))
 spmd_losses = []

@@ -10,8 +10,11 @@ and copy insertion decide the rest; see jaxdist/estimate.py).
 import json
 
 import jax
+import jax.numpy as jnp
 import optax
 import pytest
+from flax import linen as nn
+from flax.training import train_state
 
 import jaxdist as jd
 from jaxdist import calibration, cli, errors, models
@@ -155,3 +158,37 @@ def test_interleaved_stages_are_estimated_per_device_group():
     group = est.stages[d::2]
     assert est.memory_per_device >= sum(state_of(st) for st in group)
   assert any("interleaved" in note for note in est.notes)
+
+
+class _DropoutMLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(4):
+      x = nn.Dropout(0.1, deterministic=False)(nn.relu(nn.Dense(64)(x)))
+    return x
+
+
+def test_pipeline_estimate_of_a_step_with_dropout():
+  """Dropout draws its masks from a typed key (``jax.random.key``, whose dtype numpy
+  cannot read: the estimate of per-device stages raised TypeError) in every stage."""
+  def step(state, batch):
+    rng = jax.random.fold_in(jax.random.key(0), state.step)
+
+    def loss_fn(params):
+      pred = state.apply_fn(params, batch["x"], rngs={"dropout": rng})
+      return jnp.mean((pred - batch["y"]) ** 2)
+
+    loss, grads = jd.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+  data = models.regression_batch(32, 64, out=64)
+  model, key = _DropoutMLP(), jax.random.key(0)
+  state = train_state.TrainState.create(
+      apply_fn=model.apply, params=model.init({"params": key, "dropout": key}, data["x"]),
+      tx=optax.adam(1e-3))
+  est = jd.estimate(step, state, data, compile=True, method=jd.PipeshardParallel(
+      num_micro_batches=2, layer_option=jd.AutoLayerOption(layer_num=2),
+      default_auto_sharding_option=jd.AutoShardingOption(force_data_parallel=True)))
+  assert len(est.stages) == 2
+  assert abs(est.memory_per_device - est.compiled["total"]) <= 0.25 * est.compiled["total"], (
+      est.summary())

@@ -71,8 +71,8 @@ def test_two_process_pipelines_with_one_stage_per_process_match_serial():
 
   config = models.GPTConfig(vocab=64, width=16, heads=2, depth=2, seq_len=16)
   batch = models.token_batch(16, config)
-  state = models.create_state(models.GPT(config), batch["tokens"][:, :-1],
-                              tx=optax.sgd(0.1, momentum=0.9))
+  tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1, momentum=0.9))
+  state = models.create_state(models.GPT(config), batch["tokens"][:, :-1], tx=tx)
   step = jax.jit(models.lm_step())
   losses = []
   for _ in range(2):

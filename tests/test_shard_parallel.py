@@ -376,6 +376,33 @@ def test_split_and_concatenate_are_planned_not_replicated():
   assert_trees_close(exe(params, batch), expected, rtol=1e-5, atol=1e-6)
 
 
+def _dropout_step(params, batch):
+  rng = jax.random.fold_in(jax.random.key(0), batch["step"])
+
+  def loss_fn(p):
+    h = jnp.tanh(batch["x"] @ p["w1"])
+    h = nn.Dropout(0.2, deterministic=False).apply({}, h, rngs={"dropout": rng})
+    return jnp.mean((h @ p["w2"]) ** 2)
+
+  loss, grads = jd.value_and_grad(loss_fn)(params)
+  return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+
+def test_dropout_masks_are_planned_and_match_serial():
+  """Dropout's random bits (``random_bits`` from one typed key, then a
+  ``bitcast_convert_type`` to float) have rules: any layout gives the same bits."""
+  params = {"w1": jax.random.normal(jax.random.key(0), (32, 64)) * 0.1,
+            "w2": jax.random.normal(jax.random.key(1), (64, 8)) * 0.1}
+  batch = {"x": jax.random.normal(jax.random.key(2), (64, 32)), "step": jnp.int32(3)}
+  expected = jax.jit(_dropout_step)(params, batch)
+  step = jd.parallelize(_dropout_step, method=jd.ShardParallel(logical_mesh_shape=(2, 4)))
+  import warnings
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", errors.JaxdistWarning)
+    exe = step.get_executable(params, batch)
+  assert_trees_close(exe(params, batch), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_batch_norm_statistics_do_not_force_all_gathers():
   """BatchNorm's ``(x - mean) * rsqrt(var)``: the elementwise ops follow x (split on the
   batch), not the broadcast statistic (replicated), so a data-parallel plan moves no

@@ -88,7 +88,7 @@ def projected_seconds(exe, k: int = 1) -> float:
     # Activations into a stage and their cotangents back, per micro-batch (device_puts
     # between sub-meshes, not collectives).
     transfer = max((2 * (H100_NODE["alpha"] + H100_NODE["beta"] * sum(
-        math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in st.in_avals))
+        math.prod(a.shape) * a.dtype.itemsize for a in st.in_avals))
         for st in stages[1:]), default=0.0)
     return (k + len(stages) - 1) * (compute + transfer) + comm
   analyses = exe.cost_analysis()  # a list for an SPMD pipeline (one program)

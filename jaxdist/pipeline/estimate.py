@@ -155,7 +155,7 @@ def _per_device_parts(pd) -> dict[str, float]:
   cots = [aval(pd.stage.acts_out[p]) for p in float_out]
   grads = [ops[p] for p in diff]
   closed = jax.make_jaxpr(backward)(ops, acts_in, cots, grads)
-  size = lambda a: float(math.prod(a.shape) * np.dtype(a.dtype).itemsize)
+  size = lambda a: float(math.prod(a.shape) * a.dtype.itemsize)
   accumulator = sum(size(g) for g in grads)
   outputs = sum(nbytes(v) for v in closed.jaxpr.outvars) - accumulator  # aliased
   params = sum(size(ops[p]) for p in diff)
@@ -208,7 +208,7 @@ def _optimizer_bytes(exe, stage) -> float:
   programs' plans lay it out)."""
   devices = set(stage.mesh.mesh.devices.flat)
   return float(sum(
-      math.prod(home.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+      math.prod(home.shard_shape(leaf.shape)) * leaf.dtype.itemsize
       for leaf, home in zip(exe._step.inputs, exe._input_homes)
       if leaf.role == OPTIMIZER and home.device_set == devices))
 
@@ -216,4 +216,4 @@ def _optimizer_bytes(exe, stage) -> float:
 def _device_bytes(aval) -> float:
   """Bytes of one device's shard of an aval carrying its sharding."""
   shape = aval.sharding.shard_shape(aval.shape)
-  return float(math.prod(shape) * np.dtype(aval.dtype).itemsize)
+  return float(math.prod(shape) * aval.dtype.itemsize)

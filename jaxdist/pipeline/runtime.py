@@ -3,8 +3,8 @@
 The traced step (``jaxdist.pipeline.capture``) has one ``pipeline_loss`` equation. The
 equations before it (``pre``: computing the loss's inputs) run as one jitted program over
 all devices; those after it (the optimizer update) run per stage on the stage's sub-mesh
-for the state that stage owns, and over all devices for the rest (see
-``PipelineExecutable._compile_programs``). The loss's forward jaxpr is cut into layers
+for the state that stage owns, and over all devices for what combines several stages
+(only scalars cross where they can: see ``PipelineExecutable._compile_programs``). The loss's forward jaxpr is cut into layers
 and stages (``partition.py``), and every stage gets two programs:
 
 - ``forward(operands, activations in) -> activations out``, and
@@ -71,7 +71,7 @@ SMALL_OUTPUT_BYTES = 1 << 20
 
 
 def _nbytes(aval) -> int:
-  return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
+  return math.prod(aval.shape) * aval.dtype.itemsize
 
 
 def replicate(x: jax.Array, full: NamedSharding) -> jax.Array:
@@ -200,6 +200,8 @@ def move(x, target: NamedSharding):
     shards = [jax.device_put(local[index], d)
               for d, index in target.addressable_devices_indices_map(x.shape).items()]
     return jax.make_array_from_single_device_arrays(x.shape, target, shards, dtype=x.dtype)
+  if target.is_fully_replicated and dst == set(jax.devices()):
+    return replicate(x, target)  # a sub-mesh's value (a stage's scalar) onto all devices
   if len(src) != len(dst):
     raise errors.InvalidArgumentError(
         f"a multi-process pipeline cannot move a value from {len(src)} devices to {len(dst)}; "
@@ -276,7 +278,7 @@ class PipelineExecutable:
             f"shape {shape}, whose dim 0 does not divide into {k} micro-batches; use a batch "
             f"size that is a multiple of {k}.")
     self._lmesh = lmesh
-    state_bytes = {role: sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+    state_bytes = {role: sum(math.prod(leaf.shape) * leaf.dtype.itemsize
                              for leaf in step.inputs if leaf.role == role)
                    for role in (PARAM, OPTIMIZER)}
     state_factor = 1 + state_bytes[OPTIMIZER] / max(state_bytes[PARAM], 1)
@@ -334,19 +336,22 @@ class PipelineExecutable:
 
   # ---- compilation -------------------------------------------------------------------
 
-  def _reads(self, writes) -> tuple[set, tuple]:
-    """The step's equations computing ``writes`` from step inputs and loss results, and
-    the variables they read."""
+  def _reads(self, writes, elsewhere=frozenset()) -> tuple[set, tuple]:
+    """The step's equations computing ``writes`` from step inputs, loss results and the
+    results of the equations ``elsewhere`` (another program's), and the variables they
+    read."""
     jaxpr = self._step.closed_jaxpr.jaxpr
-    ids = jaxpr_util.needed_eqns(jaxpr, writes, stop=[self._index]) - {self._index}
+    stop = {self._index} | set(elsewhere)
+    ids = jaxpr_util.needed_eqns(jaxpr, writes, stop=stop) - stop
     defined = {v for i in ids for v in jaxpr.eqns[i].outvars}
     atoms = [v for i in sorted(ids) for v in jaxpr.eqns[i].invars] + list(writes)
     return ids, tuple(dict.fromkeys(v for v in atoms if not isinstance(v, jex.Literal)
                                     and v not in defined and v not in jaxpr.constvars))
 
   def _program(self, writes, sharding: NamedSharding, option=None, mesh=None,
-               pins=None, keep=frozenset()) -> Program:
-    """The equations of the step that compute ``writes`` from step inputs and loss results.
+               pins=None, keep=frozenset(), elsewhere=frozenset()) -> Program:
+    """The equations of the step that compute ``writes`` from step inputs, loss results
+    and the results of the equations ``elsewhere`` (earlier programs').
 
     Without ``option`` everything is replicated in ``sharding``; with it the program is
     planned by the shard ILP on ``mesh`` with ``pins`` (read variable → spec) fixed and
@@ -354,7 +359,7 @@ class PipelineExecutable:
     the caller donated it and no program in ``keep`` (variables read elsewhere) needs it."""
     closed = self._step.closed_jaxpr
     jaxpr = closed.jaxpr
-    ids, reads = self._reads(writes)
+    ids, reads = self._reads(writes, elsewhere)
 
     def run(*values):
       env = dict(zip(jaxpr.constvars, closed.consts))
@@ -372,12 +377,14 @@ class PipelineExecutable:
     result = {v: j for j, v in enumerate(jaxpr.eqns[self._index].outvars)}
     leaves = [self._step.inputs[position[v]] if v in position else None for v in reads]
     roles = [leaf.role if leaf else INPUT for leaf in leaves]
-    paths = [leaf.path if leaf else f"loss result {result[v]}" for leaf, v in zip(leaves, reads)]
+    paths = [leaf.path if leaf else f"loss result {result[v]}" if v in result
+             else f"value {k} from another update program"
+             for k, (leaf, v) in enumerate(zip(leaves, reads))]
     read_index = {v: k for k, v in enumerate(reads)}
     out_index = {v: o for o, v in enumerate(jaxpr.outvars)}
     tied = {}
     for w, v in enumerate(writes):
-      src = self._step.output_source[out_index[v]]
+      src = self._step.output_source[out_index[v]] if v in out_index else None
       if src is not None and jaxpr.invars[src] in read_index:
         tied[w] = read_index[jaxpr.invars[src]]
     # State the caller donated, updated here: its buffers become the new state's.
@@ -395,11 +402,16 @@ class PipelineExecutable:
   def _compile_programs(self):
     """Where state lives and the programs before and after the pipeline.
 
-    A step output belongs to a stage if the only loss results it depends on are
-    gradients of operands that stage alone reads (a parameter's update and its optimizer
-    state); it is then computed and kept on that stage's sub-mesh. Every other output
-    (step counters, metrics, anything coupling stages) is computed replicated over all
-    devices. An input lives where the output that updates it lives.
+    Each equation after the loss is placed (:meth:`_place_update`): on a stage when the
+    only arrays it reads live there (a parameter's update reads its gradient and
+    optimizer state), over all devices when it combines values of several stages.
+    Scalars cross (a global gradient norm is summed over all devices from each stage's
+    part and sent back as one scalar), arrays do not: an update that reads arrays of
+    several stages runs over all devices, replicated. Equations are grouped
+    into programs by place and by how many crossings precede them; the programs run in
+    that order. A step output lives where it is computed (outputs computed from step
+    inputs alone, such as step counters, on all devices); an input lives where the
+    output that updates it lives.
     """
     step = self._step
     jaxpr = step.closed_jaxpr.jaxpr
@@ -410,13 +422,6 @@ class PipelineExecutable:
     for s, st in enumerate(self.stages):
       for p in st.operands:
         readers[p].add(s)
-    deps = {v: {j} for j, v in enumerate(eqn.outvars)}
-    for i, e in enumerate(jaxpr.eqns):
-      if i != self._index:
-        union = set().union(*[deps.get(v, set()) for v in e.invars
-                              if not isinstance(v, jex.Literal)])
-        for v in e.outvars:
-          deps[v] = union
     # The loss value and aux live on the stage computing them (the last, usually).
     producer = {v: s for s, st in enumerate(self.stages) for v in st.acts_out}
     loss_outs = loss.closed.jaxpr.outvars
@@ -427,15 +432,7 @@ class PipelineExecutable:
       else:
         out = loss_outs[j]
         result_stages.append({producer[out]} if out in producer else set())
-    owners = []
-    for v in jaxpr.outvars:
-      stages, shared = set(), isinstance(v, jex.Literal) or not deps.get(v)
-      for j in deps.get(v, set()) if not isinstance(v, jex.Literal) else ():
-        stages |= result_stages[j]
-        shared |= not result_stages[j]
-      owners.append(next(iter(stages)) if len(stages) == 1 and not shared else None)
     homes = [NamedSharding(st.mesh.mesh, PartitionSpec()) for st in self.stages] + [self._full]
-    self._output_homes = [homes[-1 if o is None else o] for o in owners]
     # A result lives on the one stage it belongs to (else on all devices); a gradient
     # there stays as its stage's backward accumulated it.
     self._result_homes = [homes[next(iter(r))] if len(r) == 1 else self._full
@@ -456,27 +453,111 @@ class PipelineExecutable:
     direct = set(jaxpr.invars)
     computed = [v for v in eqn.invars if v not in direct and not isinstance(v, jex.Literal)]
     self._pre = self._program(computed, self._full) if computed else None
+
+    group_of, floating = self._place_update(result_stages)
+    full = len(self.stages)
+    groups: dict[tuple[int, int], list[int]] = {}  # (crossings, place) -> equations
+    for i, g in group_of.items():
+      groups.setdefault(g, []).append(i)
+    positions: dict[tuple[int, int], list[int]] = {}
+    results = {v: j for j, v in enumerate(eqn.outvars)}
+    for o, v in enumerate(jaxpr.outvars):
+      if isinstance(v, jex.Literal):
+        g = (0, full)
+      elif v in results:  # a loss result returned as it is: where it is made
+        r = result_stages[results[v]]
+        g = (0, next(iter(r)) if len(r) == 1 else full)
+      elif v in floating:  # on all devices, after what it reads
+        g = (max(c + (p != full) for p, c in floating[v].items()), full)
+      else:  # computed from step inputs alone, or before the loss: on all devices
+        g = group_of.get(self._producer.get(v), (0, full))
+      positions.setdefault(g, []).append(o)
+      groups.setdefault(g, [])
+    order = sorted(groups)
+    read_by = {}
+    for g in order:
+      for i in groups[g]:
+        for v in jaxpr.eqns[i].invars:
+          if not isinstance(v, jex.Literal):
+            read_by.setdefault(v, set()).add(g)
+    writes, reads = {}, {}
+    for g in order:
+      outs = [jaxpr.outvars[o] for o in positions.get(g, [])]
+      crossing = [v for i in groups[g] for v in jaxpr.eqns[i].outvars
+                  if read_by.get(v, set()) - {g} and v not in outs]
+      writes[g] = outs + list(dict.fromkeys(crossing))
+      others = {i for h in order if h != g for i in groups[h]}
+      reads[g] = (frozenset(others), self._reads(writes[g], others)[1])
     self._applies = []
-    positions = [[o for o, h in enumerate(self._output_homes) if h is home] for home in homes]
-    writes = [[jaxpr.outvars[o] for o in ps] for ps in positions]
-    reads = [self._reads(w)[1] if w else () for w in writes]
-    for s, home in enumerate(homes):
-      if not writes[s]:
-        continue
-      if home is self._full:
-        program = self._program(writes[s], home)
+    self._output_homes = [self._full] * len(jaxpr.outvars)
+    for g in order:
+      elsewhere, _ = reads[g]
+      if g[1] == full:
+        program = self._program(writes[g], self._full, elsewhere=elsewhere)
       else:  # planned on the stage's mesh, the state laid out as its programs want it
-        elsewhere = {v for t, r in enumerate(reads) if t != s for v in r}
-        elsewhere |= set(self._pre.reads) if self._pre else set()
-        program = self._program(writes[s], home, self._option, self.stages[s].mesh, pins[s],
-                                keep=frozenset(elsewhere))
+        s = g[1]
+        keep = {v for h in order if h != g for v in reads[h][1]}
+        keep |= set(self._pre.reads) if self._pre else set()
+        program = self._program(writes[g], homes[s], self._option, self.stages[s].mesh,
+                                pins[s], keep=frozenset(keep), elsewhere=elsewhere)
       self._applies.append(program)
-      for o, sharding in zip(positions[s], program.out_shardings):
+      for o, sharding in zip(positions.get(g, []), program.out_shardings):
         self._output_homes[o] = sharding
     self._input_homes = [self._full] * len(step.inputs)
     for o, src in enumerate(step.output_source):
       if src is not None:
         self._input_homes[src] = self._output_homes[o]
+
+  def _place_update(self, result_stages) -> tuple[dict, dict]:
+    """Places the equations after the loss.
+
+    Returns ``(groups, floating)``: ``groups`` maps an equation index to ``(crossings,
+    place)``, where the place is a stage index or ``len(stages)`` (all devices) and
+    crossings counts the changes of place on the way from the loss results.
+    Equations reading only step inputs and literals have no place, and neither have
+    those that read an array step input and only placed scalars (``b1 * mu`` with a
+    scheduled ``b1``): every program that needs them computes them. ``floating`` maps
+    the variables of the latter to the places and crossings of what they read.
+    """
+    jaxpr = self._step.closed_jaxpr.jaxpr
+    full = len(self.stages)
+    self._producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    origin = {}  # placed or floating variable -> {place: crossings}
+    placed = set()
+    for j, v in enumerate(jaxpr.eqns[self._index].outvars):
+      r = result_stages[j]
+      origin[v] = {next(iter(r)) if len(r) == 1 else full: 0}
+      placed.add(v)
+    # Only scalars move between a stage and all devices in the update (a global gradient
+    # norm, a loss-scale flag): anything larger keeps an equation where it lives.
+    large = lambda v: math.prod(getattr(v.aval, "shape", ())) > 1
+    groups = {}
+    for i in range(self._index + 1, len(jaxpr.eqns)):
+      e = jaxpr.eqns[i]
+      ins = [v for v in e.invars if not isinstance(v, jex.Literal)]
+      known = [v for v in ins if v in origin]
+      if not known:
+        continue
+      heavy = {next(iter(origin[v])) for v in known if v in placed and large(v)}
+      floats = not heavy and any(large(v) for v in ins if v not in placed)
+      sources = {}
+      for v in known:
+        for p, c in origin[v].items():
+          sources[p] = max(sources.get(p, 0), c)
+      if floats:
+        for v in e.outvars:
+          origin[v] = sources
+        continue
+      # Scalars of one stage stay there; combined with others', on all devices.
+      where = (next(iter(heavy)) if len(heavy) == 1 else full if heavy
+               else next(iter(sources)) if len(sources) == 1 else full)
+      n = max(c + (p != where) for p, c in sources.items())
+      for v in e.outvars:
+        origin[v] = {where: n}
+        placed.add(v)
+      groups[i] = (n, where)
+    floating = {v: o for v, o in origin.items() if v not in placed}
+    return groups, floating
 
   def _compile_slicer(self):
     k = self._k

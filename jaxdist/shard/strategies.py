@@ -20,7 +20,10 @@ shared with the producer, which keeps the ILP small) or a list of :class:`Strate
 - gather: indices split on a batch dim, operand replicated; scatter-add: updates split
   on a batch dim, the partial sums all-reduced;
 - iota: any spec at no cost;
-- while, cond, scan and RNG: replicated;
+- random_bits from one key (dropout masks): any spec, the key replicated: jax's
+  partitionable threefry gives every element the same bits whatever the layout;
+- bitcast_convert_type between types of one width: elementwise;
+- while, cond, scan and the other RNG primitives: replicated;
 - anything else: replicated, with one warning naming the primitive.
 """
 
@@ -126,8 +129,11 @@ def rule_for(eqn, cost_model: CostModel, produced: Callable,
       return [Strategy(f"{name} (constant)", (s,), (None,) * len(eqn.invars))
               for s in enumerate_specs(_shape(out), sizes)]
     return [_replicated_strategy(eqn, f"{name} (constant)")]
-  if name in ELEMENTWISE or _is_elementwise_call(eqn):
+  if name in ELEMENTWISE or _is_elementwise_call(eqn) or _same_width_bitcast(eqn):
     return _elementwise(eqn, produced, freedom, expanded)
+  if name == "random_bits" and not _shape(eqn.invars[0]):
+    return [Strategy("random_bits", (s,), (replicated(0),))
+            for s in enumerate_specs(_shape(eqn.outvars[0]), sizes)]
   if name == "dot_general":
     # A transformer's blocks repeat the same dots: their strategies are built once.
     key = (_shape(eqn.invars[0]), _shape(eqn.invars[1]), eqn.params["dimension_numbers"],
@@ -161,6 +167,11 @@ def rule_for(eqn, cost_model: CostModel, produced: Callable,
   if name in REPLICATE_QUIETLY:
     return [_replicated_strategy(eqn, name)]
   return None
+
+
+def _same_width_bitcast(eqn) -> bool:
+  return (eqn.primitive.name == "bitcast_convert_type"
+          and _shape(eqn.invars[0]) == _shape(eqn.outvars[0]))
 
 
 def _is_elementwise_call(eqn) -> bool:
