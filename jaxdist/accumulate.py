@@ -36,10 +36,10 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxdist import errors
+from jaxdist import coupling, errors
 from jaxdist import jaxpr_util
 from jaxdist.shard.specs import from_partition_spec, to_partition_spec
-from jaxdist.trace import BATCH, TracedStep
+from jaxdist.trace import BATCH, PARAM, TracedStep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,30 +210,46 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
         grad_jaxpr, {grad_jaxpr.invars[i]: spec for i, spec in stream_inputs.items()},
         axes, grad_before, grad_after)
 
+  # A token-weighted loss (n / d, both sums over the batch): the value and gradients are
+  # combined weighted by each micro-batch's d, which gives the whole batch's.
+  normalizer = coupling.loss_normalizer(
+      grad_jaxpr, split.grad_marker,
+      {grad_jaxpr.invars[i] for i, leaf in enumerate(step.inputs) if leaf.role == PARAM})
+  weighted = [normalizer is not None and kind != "aux" for kind in split.kinds]
+
   def grads_one(values):
     restart()
     env = dict(zip(grad_jaxpr.constvars, split.grad_jaxpr.consts))
     env.update((grad_jaxpr.invars[i], x) for i, x in zip(split.grad_inputs, values))
     jaxpr_util.eval_eqns(grad_jaxpr, env, split.grad_eqns, after=grad_after, before=grad_before)
-    return [jaxpr_util.read(env, v) for v in grad_marker_eqn.invars]
+    outs = [jaxpr_util.read(env, v) for v in grad_marker_eqn.invars]
+    if normalizer is None:
+      return outs, jnp.float32(0)
+    d = jaxpr_util.read(env, normalizer)
+    # An all-padding micro-batch (d = 0) adds nothing (its own loss is 0 / 0).
+    return [jnp.where(d > 0, d.astype(x.dtype) * x, jnp.zeros_like(x))
+            if w and jnp.issubdtype(x.dtype, jnp.inexact) else x
+            for x, w in zip(outs, weighted)], d.astype(jnp.float32)
 
   def local(*values):
     if k == 1:
-      sums = grads_one(values)
+      sums, weight = grads_one(values)
     else:
       micro = [x.reshape(k, x.shape[0] // k, *x.shape[1:]) for x, b in zip(values, is_batch) if b]
 
       def body(acc, xs):
         it = iter(xs)
-        outs = grads_one([next(it) if b else x for x, b in zip(values, is_batch)])
-        return [a + o for a, o in zip(acc, outs)], None
+        outs, d = grads_one([next(it) if b else x for x, b in zip(values, is_batch)])
+        return ([a + o for a, o in zip(acc[0], outs)], acc[1] + d), None
 
       init = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in grad_marker_eqn.invars]
-      sums, _ = jax.lax.scan(body, init, micro)
+      (sums, weight), _ = jax.lax.scan(body, (init, jnp.float32(0)), micro)
+    if normalizer is not None and axes is not None:
+      weight = jax.lax.psum(weight, axes)
     reduced = []
     for j, (x, spec) in enumerate(zip(sums, reduce_specs)):
       if jnp.issubdtype(x.dtype, jnp.inexact):
-        x = x / (k * num_shards)
+        x = x / (weight.astype(x.dtype) if weighted[j] else k * num_shards)
       if axes is None:
         reduced.append(x)
       elif spec is None:
@@ -277,9 +293,9 @@ def streaming_hooks(jaxpr, streamed: dict, axes, before=None, after=None):
   before every equation reading it.
 
   Each gather is tied to the value computed just before its equation (``p + 0 · one
-  element``, which XLA does not fold for floats), so XLA can neither merge the gathers
-  of the forward and the backward nor hoist them to the start: a gathered copy lives
-  from that point to its reader. The given hooks run too (before first, after last).
+  element``, which XLA does not fold for floats; the element made finite first), so XLA
+  can neither merge the gathers of the forward and the backward nor hoist them to the
+  start: a gathered copy lives from that point to its reader. The given hooks run too (before first, after last).
   Returns (before, after, restart): call ``restart()`` before each evaluation (the tie
   must come from the evaluation being traced).
   """
@@ -295,7 +311,8 @@ def streaming_hooks(jaxpr, streamed: dict, axes, before=None, after=None):
       if not isinstance(v, jex.Literal) and v in dims:
         x = out[k]
         if last[0] is not None and jnp.issubdtype(x.dtype, jnp.inexact):
-          x = x + (last[0].reshape(-1)[0] * 0).astype(x.dtype)
+          # (nan_to_num: a NaN there, a padding-only share's 0 / 0 loss, must not spread.)
+          x = x + (jnp.nan_to_num(last[0].reshape(-1)[0]) * 0).astype(x.dtype)
         out[k] = jax.lax.all_gather(x, axes, axis=dims[v], tiled=True)
     return out
 

@@ -22,7 +22,7 @@ import math
 import jax.extend.core as jex
 
 from jaxdist.jaxpr_util import MARKERS
-from jaxdist.trace import BATCH, TracedStep
+from jaxdist.trace import BATCH, PARAM, TracedStep
 
 REDUCED = "reduced"
 REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or "
@@ -35,17 +35,24 @@ def _shape(v):
 
 def batch_coupling(step: TracedStep) -> str | None:
   """A description of the first equation that mixes a batch statistic back into
-  per-example values (None if there is none)."""
+  per-example values (None if there is none). The loss's normalizer (see
+  :func:`loss_normalizer`) does not count: micro-batches and devices are combined
+  weighted by it, which gives the whole batch's value."""
   size = step.batch_size
   if size is None or size < 2:
     return None
   jaxpr = step.closed_jaxpr.jaxpr
+  exempt = set()
+  if step.marker_index is not None:
+    normalizer = loss_normalizer(jaxpr, step.marker_index, _param_vars(step, jaxpr))
+    exempt = {normalizer} if normalizer is not None else set()
   state: dict = {}
   for v, leaf in zip(jaxpr.invars, step.inputs):
     if leaf.role == BATCH and _shape(v) and _shape(v)[0] == size:
       state[v] = 0
   for i, eqn in enumerate(jaxpr.eqns):
-    ins = [None if isinstance(v, jex.Literal) else state.get(v) for v in eqn.invars]
+    ins = [None if isinstance(v, jex.Literal) or v in exempt else state.get(v)
+           for v in eqn.invars]
     carried = [(k, p) for k, p in enumerate(ins) if isinstance(p, int)]
     if not carried and REDUCED not in ins:
       continue
@@ -60,6 +67,58 @@ def batch_coupling(step: TracedStep) -> str | None:
       if s is not None:
         state[v] = s
   return None
+
+
+def _param_vars(step: TracedStep, jaxpr) -> set:
+  return {v for v, leaf in zip(jaxpr.invars, step.inputs) if leaf.role == PARAM}
+
+
+def _sum_of(v, producer) -> bool:
+  """Whether ``v`` is a ``reduce_sum`` (up to casts and scaling by constants)."""
+  while v in producer:
+    eqn = producer[v]
+    name = eqn.primitive.name
+    if name == "reduce_sum":
+      return True
+    if name == "convert_element_type":
+      v = eqn.invars[0]
+    elif name in ("mul", "div") and isinstance(eqn.invars[1], jex.Literal):
+      v = eqn.invars[0]
+    elif name == "mul" and isinstance(eqn.invars[0], jex.Literal):
+      v = eqn.invars[1]
+    else:
+      return False
+  return False
+
+
+def loss_normalizer(jaxpr, marker_index: int, params: set):
+  """The variable ``d`` of a loss ``n / d`` (the value ``jaxdist.grad``'s marker at
+  ``marker_index`` marks) where both are sums over the batch and ``d`` does not depend on
+  the parameters: a token-weighted mean, ``(loss * mask).sum() / mask.sum()``. Such a
+  loss over the whole batch is the ``d``-weighted mean of the micro-batches' (and
+  devices') losses, and so are its gradients. None otherwise."""
+  marker = jaxpr.eqns[marker_index]
+  values = [v for v, kind in zip(marker.invars, marker.params["kinds"]) if kind == "value"]
+  return normalizer_of(jaxpr.eqns[:marker_index], values[0], params) if len(values) == 1 else None
+
+
+def normalizer_of(eqns, value, params: set):
+  """:func:`loss_normalizer` of the loss ``value`` computed by ``eqns``."""
+  producer = {o: e for e in eqns for o in e.outvars}
+  if value not in producer:
+    return None
+  eqn = producer[value]
+  if eqn.primitive.name != "div" or _shape(eqn.outvars[0]) or any(
+      isinstance(v, jex.Literal) or _shape(v) for v in eqn.invars):
+    return None
+  num, den = eqn.invars
+  if not (_sum_of(num, producer) and _sum_of(den, producer)):
+    return None
+  cone = {den}
+  for e in reversed(eqns):
+    if any(o in cone for o in e.outvars):
+      cone.update(v for v in e.invars if not isinstance(v, jex.Literal))
+  return None if cone & params else den
 
 
 def _propagate(eqn, carried, size) -> list:

@@ -67,6 +67,48 @@ def test_gradients_are_reduced_once_per_step(method_cls):
     assert wire[4]["reduce-scatter"] == pytest.approx(7 / 8 * param_bytes, rel=0.01)
 
 
+def token_weighted_setup(batch_size=32, seq_len=16):
+  """A GPT whose loss is a token-weighted mean, ``(l * mask).sum() / mask.sum()``, with
+  padding that differs per example (rows 0 and 1 are all padding)."""
+  config = models.GPTConfig(vocab=128, width=32, heads=4, depth=2, seq_len=seq_len)
+  batch = models.token_batch(batch_size, config)
+  lengths = (jnp.arange(batch_size) * 5) % 13 * (jnp.arange(batch_size) > 1)
+  batch["mask"] = (jnp.arange(seq_len)[None, :] < lengths[:, None]).astype(jnp.float32)
+  make = lambda: models.create_state(models.GPT(config), batch["tokens"][:, :-1],
+                                     tx=optax.sgd(0.1, momentum=0.9))
+
+  def step_fn(value_and_grad=jax.value_and_grad):
+    def train_step(state, batch):
+      def loss_fn(params):
+        logits = state.apply_fn(params, batch["tokens"][:, :-1])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:])
+        return (loss * batch["mask"]).sum() / batch["mask"].sum()
+
+      loss, grads = value_and_grad(loss_fn)(state.params)
+      return state.apply_gradients(grads=grads), {"loss": loss}
+
+    return train_step
+
+  return make, batch, step_fn
+
+
+@pytest.mark.parametrize("method", [
+    jd.DataParallel(), jd.DataParallel(num_micro_batches=2), jd.Zero3Parallel(num_micro_batches=2),
+    jd.ShardParallel(logical_mesh_shape=(2, 4), num_micro_batches=2)],
+    ids=["dp", "dp-k2", "zero3-k2", "shard-2x4-k2"])
+def test_token_weighted_losses_accumulate_to_the_full_batch_step(method):
+  """Each micro-batch on each device divides by its own token count; combined weighted
+  by those counts they give the whole batch's loss and gradients (a plain mean of the
+  micro-batch losses was 27% off in the update). A share of only padding (count 0)
+  adds nothing. With one micro-batch, DataParallel reduces the gradients itself, once."""
+  make, batch, step_fn = token_weighted_setup()
+  expected = _two_steps(jax.jit(step_fn()), make(), batch)
+  step = jd.parallelize(step_fn(jd.value_and_grad), method=method)
+  assert_trees_close(_two_steps(step, make(), batch), expected, rtol=1e-5, atol=1e-6)
+  notes = step.get_executable(make(), batch).plan.notes
+  assert not any("mixes examples" in note for note in notes), notes
+
+
 @pytest.mark.parametrize("setup,step_fn,mesh_shape", [
     (_mlp_setup, models.regression_step, None),       # mesh shape searched
     (_gpt_setup, models.lm_step, (2, 4)),             # model axis auto inside the loop

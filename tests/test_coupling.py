@@ -41,3 +41,31 @@ def test_coupling_is_found_only_where_examples_mix():
   exe = jd.parallelize(models.lm_step(jd.value_and_grad), method=jd.DataParallel()).get_executable(
       models.create_state(models.GPT(config), batch["tokens"][:, :-1]), batch)
   assert exe.layout.grad_reduce_specs is not None
+
+
+def test_only_a_batch_sum_dividing_a_batch_sum_is_a_token_count():
+  """``(l * mask).sum() / mask.sum()`` is weighted exactly by micro-batches' counts; a
+  clamped count (``maximum(mask.sum(), 1)``) or a divisor computed from the parameters is
+  not a count, and such a step stays coupled (whole-batch gradients, by XLA)."""
+  import jax
+  import jax.numpy as jnp
+
+  params = {"w": jnp.ones((4, 3))}
+  batch = {"x": jnp.ones((8, 4)), "mask": jnp.ones((8, 3))}
+
+  def step_with(divisor):
+    def step(params, batch):
+      def loss_fn(p):
+        err = (batch["x"] @ p["w"]) ** 2 * batch["mask"]
+        return err.sum() / divisor(p, batch["mask"])
+
+      loss, grads = jd.value_and_grad(loss_fn)(params)
+      return jax.tree.map(lambda a, g: a - 0.1 * g, params, grads), loss
+    return trace_step(step, (params, batch), (), (1,), "auto")
+
+  count = step_with(lambda p, mask: mask.sum())
+  assert batch_coupling(count) is None
+  clamped = step_with(lambda p, mask: jnp.maximum(mask.sum(), 1.0))
+  assert "batch statistic" in batch_coupling(clamped)
+  learned = step_with(lambda p, mask: mask.sum() + p["w"].sum())
+  assert batch_coupling(learned) is not None

@@ -216,6 +216,24 @@ def test_global_norm_clipping_keeps_each_stage_state_on_its_stage():
       assert len(x.sharding.device_set) == 4, (jax.tree_util.keystr(path), x.sharding)
 
 
+@pytest.mark.parametrize("method", [
+    jd.PipeshardParallel(num_micro_batches=2, layer_option=jd.AutoLayerOption(layer_num=2)),
+    jd.PipeshardParallel(num_micro_batches=2, layer_option=jd.AutoLayerOption(layer_num=2),
+                         runtime="spmd", pipeline_schedule="1f1b")], ids=["mpmd", "spmd-1f1b"])
+def test_token_weighted_losses_match_serial(method):
+  """A token-weighted loss: each micro-batch's loss and gradients count by its share of
+  the tokens (the stage dividing by the count stays on its plan, not per device)."""
+  from test_accumulation import token_weighted_setup
+  make, batch, step_fn = token_weighted_setup()
+  serial = jax.jit(step_fn())
+  s1, m1 = serial(make(), batch)
+  expected = to_host((s1, m1)), to_host(serial(s1, batch))
+  step = jd.parallelize(step_fn(jd.value_and_grad), method=method)
+  p1, n1 = step(make(), batch)
+  first = to_host((p1, n1))
+  assert_trees_close((first, to_host(step(p1, batch))), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_each_stage_is_shard_parallel_on_its_sub_mesh():
   """Stage programs are planned by the shard ILP on the given sub-mesh shapes; the
   options apply per stage (ZeRO-3: every parameter sharded; a partition constraint on

@@ -54,7 +54,7 @@ import numpy as np
 from jax import tree_util
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxdist import errors
+from jaxdist import coupling, errors
 from jaxdist import inspect as hlo_inspect
 from jaxdist import jaxpr_util
 from jaxdist import methods as m
@@ -567,6 +567,42 @@ class PipelineExecutable:
     split = lambda xs: [[x.reshape((k, x.shape[0] // k) + x.shape[1:])[i] for i in range(k)]
                         for x in xs]
     self._slicer = jax.jit(split, out_shardings=self._full).lower(avals).compile()
+    self._weigher = self._compile_weigher()
+
+  @functools.cached_property
+  def _normalizer(self):
+    """The loss's ``d`` if it is a token-weighted mean ``n / d`` (``coupling.normalizer_of``)."""
+    loss = self._loss.closed.jaxpr
+    return coupling.normalizer_of(loss.eqns, loss.outvars[0],
+                                  set(loss.invars[self._loss.num_consts:]))
+
+  def _compile_weigher(self):
+    """For a token-weighted loss ``n / d`` (``coupling.normalizer_of``): a program that
+    computes each micro-batch's share ``d_b / Σ d`` from the micro-batch slices, read
+    as ``(positions of the loss operands it needs, program)``; None otherwise. The loss
+    and gradients are then the shares' weighted sums, which are the whole batch's."""
+    closed = self._loss.closed
+    jaxpr = closed.jaxpr
+    d = self._normalizer
+    if d is None:
+      return None
+    ids = jaxpr_util.needed_eqns(jaxpr, [d])
+    reads = jaxpr_util.free_invars(jaxpr, ids)
+
+    def shares(per_micro_batch):
+      weights = []
+      for values in per_micro_batch:
+        env = dict(zip(jaxpr.constvars, closed.consts))
+        env.update((jaxpr.invars[p], x) for p, x in zip(reads, values))
+        jaxpr_util.eval_eqns(jaxpr, env, ids)
+        weights.append(jaxpr_util.read(env, d).astype(jnp.float32))
+      total = sum(weights[1:], weights[0])
+      return [w / total for w in weights]
+
+    # The loss is traced at the micro-batch size.
+    avals = [[jax.ShapeDtypeStruct(jaxpr.invars[p].aval.shape, jaxpr.invars[p].aval.dtype,
+                                   sharding=self._full) for p in reads]] * self._k
+    return reads, jax.jit(shares, out_shardings=self._full).lower(avals).compile()
 
   def _program_steps(self, stage: Stage, with_forward: bool = True):
     """The stage's backward and forward (or None) programs, traced
@@ -672,6 +708,11 @@ class PipelineExecutable:
              if b}
     if any(size % (self._k * n) for size in sizes):
       return f"a micro-batch does not split into {n} equal parts"
+    loss = self._loss.closed.jaxpr
+    if self._normalizer is not None and any(self._normalizer in loss.eqns[i].invars
+                                            for i in stage.eqns):
+      # Per device it would divide by each device's own count.
+      return "it divides the loss by a sum over the micro-batch (a token count)"
     if n not in self._device_losses:
       found = [e for e in self._retrace(self._k * n).jaxpr.eqns
                if e.primitive is capture.pipeline_loss_p]
@@ -748,6 +789,11 @@ class PipelineExecutable:
     # (eager indexing of a global array is avoided: across processes it blocked).
     sliced = iter(self._slicer([x for x, b in zip(operands, self._batch_operand) if b]))
     micro = [next(sliced) if b else None for b in self._batch_operand]
+    shares = None
+    if self._weigher is not None:  # a token-weighted loss: micro-batch b's share d_b / Σ d
+      reads, weigher = self._weigher
+      shares = weigher([[micro[p][b] if self._batch_operand[p] else move(operands[p], self._full)
+                         for p in reads] for b in range(k)])
     stage_ops = {}
 
     def ops_for(s, b):
@@ -791,7 +837,8 @@ class PipelineExecutable:
           v = st.acts_out[p]
           c = cots.pop((b, v), None)
           if v is jaxpr.outvars[0]:  # the loss value: d(mean over micro-batches)/d(value_b)
-            c = self._constant(a, 1.0 / k)
+            c = (self._constant(a, 1.0 / k) if shares is None
+                 else move(shares[b].astype(a.dtype), a.sharding))
           t0 = clock()
           cot_out.append(move(c, a.sharding) if c is not None else self._constant(a, 0.0))
           move_s += clock() - t0
@@ -833,6 +880,10 @@ class PipelineExecutable:
                        else move(np.zeros(v.aval.shape, v.aval.dtype), home[pos]))
         continue
       parts = [move(outputs[b, i], self._result_homes[i]) for b in range(k)]
+      if kind == capture.VALUE and shares is not None:
+        parts = [x * move(w.astype(x.dtype), self._result_homes[i]) for x, w in zip(parts, shares)]
+        results.append(sum(parts[1:], parts[0]))
+        continue
       total = sum(parts[1:], parts[0])
       results.append(total / k if jnp.issubdtype(total.dtype, jnp.inexact) else total)
     return results

@@ -52,6 +52,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxdist import coupling
 from jaxdist import inspect as hlo_inspect
 from jaxdist import jaxpr_util
 from jaxdist import methods as m
@@ -226,9 +227,12 @@ def plan(method: m.PipeshardParallel, step: TracedStep, lmesh: LogicalMesh, inde
     closed = local.eqns[stack.scan].params["jaxpr"]
     body, consts = closed.jaxpr, dict(zip(closed.jaxpr.constvars, closed.consts))
     corr = _correspondence(loss_jaxpr.eqns[stack.scan].params["jaxpr"].jaxpr, body)
+  normalizer = coupling.normalizer_of(loss_jaxpr.eqns, loss_jaxpr.outvars[0],
+                                      set(loss_jaxpr.invars[loss.num_consts:]))
   return _Pipeline(stack, body, consts, corr, p, d, v, k, method.pipeline_schedule,
                    batched[len(stack.carry_init):], local, _correspondence(loss_jaxpr, local),
-                   head, head_batched, loss.kinds.count(capture.AUX))
+                   head, head_batched, loss.kinds.count(capture.AUX),
+                   normalizer if one_f_one_b else None)
 
 
 def _head_inputs(jaxpr, stack: Stack) -> list:
@@ -265,6 +269,8 @@ class _Pipeline:
     head_inputs, head_batched: under 1F1B, what the loss's equations after the stack
       read (full-batch vars), and whether each is split by micro-batch.
     num_aux: the loss's aux outputs.
+    normalizer: under 1F1B, the ``d`` of a token-weighted loss ``n / d``
+      (``coupling.normalizer_of``; full-batch var), or None.
   """
 
   stack: Stack
@@ -282,6 +288,7 @@ class _Pipeline:
   head_inputs: list
   head_batched: list
   num_aux: int
+  normalizer: object = None
 
   def _layer(self, weights, carry, shared):
     """One layer on one device's share of a micro-batch (the template, traced at that size)."""
@@ -302,6 +309,16 @@ class _Pipeline:
     env.update(zip([loc[x] for x in self.head_inputs], head_inputs))
     jaxpr_util.eval_eqns(jaxpr, env, range(self.stack.end, len(jaxpr.eqns)))
     return [jaxpr_util.read(env, x) for x in jaxpr.outvars]
+
+  def count(self, head_inputs):
+    """The loss's normalizer on one device's share of a micro-batch, from the head's
+    inputs (it depends on the batch alone)."""
+    jaxpr, loc = self.loss_local, self.loss_corr
+    env = dict(zip([loc[x] for x in self.head_inputs], head_inputs))
+    target = loc[self.normalizer]
+    ids = set(jaxpr_util.needed_eqns(jaxpr, [target])) & set(range(self.stack.end, len(jaxpr.eqns)))
+    jaxpr_util.eval_eqns(jaxpr, env, ids)
+    return jaxpr_util.read(env, target).astype(jnp.float32)
 
   def __call__(self, mesh, weights, carry, shared):
     """The stack's outputs on the whole batch from its inputs on the whole batch."""

@@ -17,7 +17,8 @@ A stage keeps the inputs of at most ``2(p − 1 − s) + 1`` micro-batches (a ri
 
 The head runs per micro-batch on one device's share, so the loss and float aux are the
 means over micro-batches and shares (integer aux: sums), as under gradient accumulation
-and the MPMD driver. Inputs the stack or the head read that depend on the batch are not
+and the MPMD driver; a token-weighted loss (``(l * mask).sum() / mask.sum()``) is weighted
+by each share's count instead, which gives the whole batch's loss and gradients. Inputs the stack or the head read that depend on the batch are not
 differentiated here (masks, labels); one that also depends on the parameters is refused.
 """
 
@@ -113,6 +114,15 @@ def _run(pipe, mesh, weights, carry, shared, head_inputs):
       _, vjp = jax.vjp(f, ws, x, diff)
       return vjp(ct)
 
+    # A token-weighted loss n / c: each micro-batch share's loss counts c_share / Σ c
+    # (the whole batch's value); otherwise 1 / (shares).
+    if pipe.normalizer is not None:
+      counts = sum(pipe.count(at(his, pipe.head_batched, i)) for i in range(m))
+      total = lax.psum(counts, DATA)
+      share = lambda hi: pipe.count(hi) / total
+    else:
+      share = lambda hi: jnp.float32(1 / (m * d))
+
     def head(y, hi):
       diff = [v for v, t in zip(hi, head_diff) if t]
 
@@ -122,8 +132,9 @@ def _run(pipe, mesh, weights, carry, shared, head_inputs):
         return outs[0], outs[1:]
 
       value, vjp, aux = jax.vjp(f, y, diff, has_aux=True)
-      dy, ddiff = vjp(jnp.ones_like(value) / (m * d))
-      return value, aux, dy, ddiff
+      weight = share(hi).astype(value.dtype)
+      dy, ddiff = vjp(jnp.ones_like(value) * weight)
+      return value * weight, aux, dy, ddiff
 
     zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
     y_shape = [x[0] for x in xs]
@@ -170,7 +181,7 @@ def _run(pipe, mesh, weights, carry, shared, head_inputs):
 
     state, _ = lax.scan(clock, init, jnp.arange(num_clocks(p, m)))
     both = (STAGE, DATA)
-    value = lax.psum(state["value"], both) / (m * d)
+    value = lax.psum(state["value"], both)  # each micro-batch share's weighted
     aux = [lax.psum(a, both) / (m * d) if _is_float(a) else lax.psum(a, both)
            for a in state["aux"]]
     return (value, aux, [lax.psum(g, DATA)[None] for g in state["dws"]],
