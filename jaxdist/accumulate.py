@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxdist import coupling, errors
-from jaxdist import jaxpr_util
+from jaxdist import jaxpr_util, rng
 from jaxdist.shard.specs import from_partition_spec, to_partition_spec
 from jaxdist.trace import BATCH, PARAM, TracedStep
 
@@ -209,6 +209,9 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
     grad_before, grad_after, restart = streaming_hooks(
         grad_jaxpr, {grad_jaxpr.invars[i]: spec for i, spec in stream_inputs.items()},
         axes, grad_before, grad_after)
+  micro_index = [0]
+  grad_before, grad_after = random_bits_hooks(
+      step, split, axes, num_shards, k, lambda: micro_index[0], grad_before, grad_after)
 
   # A token-weighted loss (n / d, both sums over the batch): the value and gradients are
   # combined weighted by each micro-batch's d, which gives the whole batch's.
@@ -238,12 +241,14 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
       micro = [x.reshape(k, x.shape[0] // k, *x.shape[1:]) for x, b in zip(values, is_batch) if b]
 
       def body(acc, xs):
+        micro_index[0], xs = xs
         it = iter(xs)
         outs, d = grads_one([next(it) if b else x for x, b in zip(values, is_batch)])
         return ([a + o for a, o in zip(acc[0], outs)], acc[1] + d), None
 
       init = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in grad_marker_eqn.invars]
-      (sums, weight), _ = jax.lax.scan(body, (init, jnp.float32(0)), micro)
+      (sums, weight), _ = jax.lax.scan(body, (init, jnp.float32(0)), (jnp.arange(k), micro))
+      micro_index[0] = 0
     if normalizer is not None and axes is not None:
       weight = jax.lax.psum(weight, axes)
     reduced = []
@@ -285,6 +290,50 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
     return [jaxpr_util.read(env, v) for v in jaxpr.outvars]
 
   return run
+
+
+def random_bits_hooks(step: TracedStep, split: GradSplit, axes, num_shards: int, k: int,
+                      micro_index, before=None, after=None):
+  """``before`` / ``after`` hooks that make the gradient part's random bits (dropout
+  masks) the whole batch's: a ``random_bits`` whose shape is the full-batch one's with
+  one dimension divided by the micro-batch count × batch shards draws this device's
+  micro-batch rows of the full-batch bits (``jaxdist.rng``). Without this every device
+  and micro-batch would draw the first rows' bits for its own rows. ``micro_index()`` is
+  the micro-batch being evaluated (a tracer inside the loop). The given hooks run too."""
+  full_eqns, micro_eqns = step.closed_jaxpr.jaxpr.eqns, split.grad_jaxpr.jaxpr.eqns
+  to_full = align(full_eqns, micro_eqns)
+  rows = {}  # micro-batch equation -> (dimension, full-batch shape)
+  for i in split.grad_eqns:
+    j = to_full.get(i)
+    if micro_eqns[i].primitive.name != "random_bits" or j is None:
+      continue
+    small, big = micro_eqns[i].params["shape"], full_eqns[j].params["shape"]
+    differ = [d for d, (a, b) in enumerate(zip(small, big)) if a != b]
+    if (len(small) == len(big) and len(differ) == 1
+        and big[differ[0]] == small[differ[0]] * num_shards * k):
+      rows[i] = (differ[0], tuple(big))
+  if not rows:
+    return before, after
+  keys = {}
+
+  def keep_key(i, invals):
+    if before is not None:
+      invals = before(i, invals)
+    if i in rows:
+      keys[i] = invals[0]
+    return invals
+
+  def draw_rows(i, outs):
+    if i in rows:
+      key, (dim, shape), width = keys.pop(i), rows[i], micro_eqns[i].params["bit_width"]
+      if rng.supported(key, width, shape):
+        size = micro_eqns[i].params["shape"][dim]
+        device = jax.lax.axis_index(axes) if axes is not None else 0
+        offset = (device * k + micro_index()) * size  # this device's micro-batch rows
+        outs = [rng.rows(key, width, shape, dim, size, offset)]
+    return after(i, outs) if after is not None else outs
+
+  return keep_key, draw_rows
 
 
 def streaming_hooks(jaxpr, streamed: dict, axes, before=None, after=None):

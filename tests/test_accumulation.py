@@ -7,9 +7,11 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from flax import linen as nn
+from flax.training import train_state
 
 import jaxdist as jd
-from jaxdist import errors, models
+from jaxdist import errors, models, rng
 from helpers import assert_trees_close, to_host
 
 METHODS = [jd.DataParallel, jd.Zero2Parallel, jd.Zero3Parallel]
@@ -107,6 +109,52 @@ def test_token_weighted_losses_accumulate_to_the_full_batch_step(method):
   assert_trees_close(_two_steps(step, make(), batch), expected, rtol=1e-5, atol=1e-6)
   notes = step.get_executable(make(), batch).plan.notes
   assert not any("mixes examples" in note for note in notes), notes
+
+
+def test_rows_of_random_bits_are_the_whole_draws_rows():
+  key = jax.random.fold_in(jax.random.key(3), 7)
+  for width, dtype in ((32, jnp.uint32), (16, jnp.uint16)):
+    full = jax.random.bits(key, (8, 5, 6), dtype)
+    assert rng.supported(key, width, (8, 5, 6))
+    for dim, size, offset in ((0, 2, 6), (1, 1, 3), (2, 3, 3)):
+      got = rng.rows(key, width, (8, 5, 6), dim, size, jnp.int32(offset))
+      assert (got == jax.lax.slice_in_dim(full, offset, offset + size, axis=dim)).all()
+
+
+class _Dropout(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(3):
+      x = nn.Dropout(0.3, deterministic=False)(nn.relu(nn.Dense(64)(x)))
+    return nn.Dense(8)(x)
+
+
+@pytest.mark.parametrize("method", [
+    jd.DataParallel(), jd.Zero3Parallel(num_micro_batches=2),
+    jd.ShardParallel(logical_mesh_shape=(2, 4), num_micro_batches=2)],
+    ids=["dp", "zero3-k2", "shard-2x4-k2"])
+def test_dropout_masks_are_the_full_batch_steps(method):
+  """Each device's micro-batch draws its rows of the whole batch's dropout masks; before,
+  every device and micro-batch drew the first rows' masks (the same mask on every device;
+  an encoder-decoder's first loss was 0.2% off the serial step's)."""
+  model, data = _Dropout(), models.regression_batch(32, 16)
+  key = jax.random.key(0)
+  state = train_state.TrainState.create(
+      apply_fn=model.apply, params=model.init({"params": key, "dropout": key}, data["x"]),
+      tx=optax.sgd(0.1, momentum=0.9))
+
+  def step_fn(value_and_grad):
+    def train_step(state, batch):
+      rngs = {"dropout": jax.random.fold_in(jax.random.key(1), state.step)}
+      def loss_fn(params):
+        return jnp.mean((state.apply_fn(params, batch["x"], rngs=rngs) - batch["y"]) ** 2)
+      loss, grads = value_and_grad(loss_fn)(state.params)
+      return state.apply_gradients(grads=grads), {"loss": loss}
+    return train_step
+
+  expected = _two_steps(jax.jit(step_fn(jax.value_and_grad)), state, data)
+  step = jd.parallelize(step_fn(jd.value_and_grad), method=method)
+  assert_trees_close(_two_steps(step, state, data), expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("setup,step_fn,mesh_shape", [
