@@ -344,9 +344,9 @@ def streaming_hooks(jaxpr, streamed: dict, axes, before=None, after=None):
   Each gather is tied to the value computed just before its equation (``p + 0 · one
   element``, which XLA does not fold for floats; the element made finite first), so XLA
   can neither merge the gathers of the forward and the backward nor hoist them to the
-  start: a gathered copy lives from that point to its reader. The given hooks run too (before first, after last).
-  Returns (before, after, restart): call ``restart()`` before each evaluation (the tie
-  must come from the evaluation being traced).
+  start: a gathered copy lives from that point to its reader. The given hooks run too
+  (before first, after last). Returns (before, after, restart): call ``restart()`` before
+  each evaluation (the tie must come from the evaluation being traced).
   """
   dims = {v: next(d for d, e in enumerate(spec) if e is not None) for v, spec in streamed.items()}
   last = [None]

@@ -73,28 +73,31 @@ def _param_vars(step: TracedStep, jaxpr) -> set:
   return {v for v, leaf in zip(jaxpr.invars, step.inputs) if leaf.role == PARAM}
 
 
-def _sum_of(v, producer) -> bool:
-  """Whether ``v`` is a ``reduce_sum`` (up to casts and scaling by constants)."""
+def _scaled_sum(v, producer) -> float | None:
+  """``c`` if ``v`` is ``c`` times a ``reduce_sum`` (through casts and scaling by
+  constants: a mean is a scaled sum), else None."""
+  scale = 1.0
   while v in producer:
     eqn = producer[v]
-    name = eqn.primitive.name
+    name, ins = eqn.primitive.name, eqn.invars
     if name == "reduce_sum":
-      return True
+      return scale
     if name == "convert_element_type":
-      v = eqn.invars[0]
-    elif name in ("mul", "div") and isinstance(eqn.invars[1], jex.Literal):
-      v = eqn.invars[0]
-    elif name == "mul" and isinstance(eqn.invars[0], jex.Literal):
-      v = eqn.invars[1]
+      v = ins[0]
+    elif name in ("mul", "div") and isinstance(ins[1], jex.Literal):
+      scale = scale * float(ins[1].val) if name == "mul" else scale / float(ins[1].val)
+      v = ins[0]
+    elif name == "mul" and isinstance(ins[0], jex.Literal):
+      scale, v = scale * float(ins[0].val), ins[1]
     else:
-      return False
-  return False
+      return None
+  return None
 
 
 def loss_normalizer(jaxpr, marker_index: int, params: set):
   """The variable ``d`` of a loss ``n / d`` (the value ``jaxdist.grad``'s marker at
-  ``marker_index`` marks) where both are sums over the batch and ``d`` does not depend on
-  the parameters: a token-weighted mean, ``(loss * mask).sum() / mask.sum()``. Such a
+  ``marker_index`` marks) where both are sums over the batch (or means over the same
+  count) and ``d`` does not depend on the parameters: a token-weighted mean, ``(loss * mask).sum() / mask.sum()``. Such a
   loss over the whole batch is the ``d``-weighted mean of the micro-batches' (and
   devices') losses, and so are its gradients. None otherwise."""
   marker = jaxpr.eqns[marker_index]
@@ -111,8 +114,12 @@ def normalizer_of(eqns, value, params: set):
   if eqn.primitive.name != "div" or _shape(eqn.outvars[0]) or any(
       isinstance(v, jex.Literal) or _shape(v) for v in eqn.invars):
     return None
+  # Both sums, or both means over the same count: each micro-batch's n / d, weighted by
+  # its d, then adds up to the whole batch's (a sum over a mean would be off by the
+  # number of micro-batches).
   num, den = eqn.invars
-  if not (_sum_of(num, producer) and _sum_of(den, producer)):
+  scales = _scaled_sum(num, producer), _scaled_sum(den, producer)
+  if None in scales or not math.isclose(*scales, rel_tol=1e-6):
     return None
   cone = {den}
   for e in reversed(eqns):

@@ -45,8 +45,9 @@ def test_coupling_is_found_only_where_examples_mix():
 
 def test_only_a_batch_sum_dividing_a_batch_sum_is_a_token_count():
   """``(l * mask).sum() / mask.sum()`` is weighted exactly by micro-batches' counts; a
-  clamped count (``maximum(mask.sum(), 1)``) or a divisor computed from the parameters is
-  not a count, and such a step stays coupled (whole-batch gradients, by XLA)."""
+  clamped count (``maximum(mask.sum(), 1)``), a mean under a sum, or a divisor computed
+  from the parameters is not a count, and such a step stays coupled (whole-batch
+  gradients, by XLA)."""
   import jax
   import jax.numpy as jnp
 
@@ -67,5 +68,8 @@ def test_only_a_batch_sum_dividing_a_batch_sum_is_a_token_count():
   assert batch_coupling(count) is None
   clamped = step_with(lambda p, mask: jnp.maximum(mask.sum(), 1.0))
   assert "batch statistic" in batch_coupling(clamped)
+  # A sum over a mean: weighting micro-batches by their means would be off by their number.
+  mean = step_with(lambda p, mask: mask.mean())
+  assert "batch statistic" in batch_coupling(mean)
   learned = step_with(lambda p, mask: mask.sum() + p["w"].sum())
   assert batch_coupling(learned) is not None

@@ -4,8 +4,8 @@ The traced step (``jaxdist.pipeline.capture``) has one ``pipeline_loss`` equatio
 equations before it (``pre``: computing the loss's inputs) run as one jitted program over
 all devices; those after it (the optimizer update) run per stage on the stage's sub-mesh
 for the state that stage owns, and over all devices for what combines several stages
-(only scalars cross where they can: see ``PipelineExecutable._compile_programs``). The loss's forward jaxpr is cut into layers
-and stages (``partition.py``), and every stage gets two programs:
+(scalars cross: see ``PipelineExecutable._compile_programs``). The loss's forward jaxpr
+is cut into layers and stages (``partition.py``), and every stage gets two programs:
 
 - ``forward(operands, activations in) -> activations out``, and
 - ``backward(operands, activations in, cotangents out, accumulator) -> (accumulator +
@@ -455,6 +455,7 @@ class PipelineExecutable:
     self._pre = self._program(computed, self._full) if computed else None
 
     group_of, floating = self._place_update(result_stages)
+    producer_eqn = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
     full = len(self.stages)
     groups: dict[tuple[int, int], list[int]] = {}  # (crossings, place) -> equations
     for i, g in group_of.items():
@@ -470,7 +471,7 @@ class PipelineExecutable:
       elif v in floating:  # on all devices, after what it reads
         g = (max(c + (p != full) for p, c in floating[v].items()), full)
       else:  # computed from step inputs alone, or before the loss: on all devices
-        g = group_of.get(self._producer.get(v), (0, full))
+        g = group_of.get(producer_eqn.get(v), (0, full))
       positions.setdefault(g, []).append(o)
       groups.setdefault(g, [])
     order = sorted(groups)
@@ -521,7 +522,6 @@ class PipelineExecutable:
     """
     jaxpr = self._step.closed_jaxpr.jaxpr
     full = len(self.stages)
-    self._producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
     origin = {}  # placed or floating variable -> {place: crossings}
     placed = set()
     for j, v in enumerate(jaxpr.eqns[self._index].outvars):
