@@ -222,7 +222,7 @@ def estimate_planned(method: m.Method, planned, micro_step, calibrated: bool = T
     work = _shard_parallel(planned)
   else:
     closed = micro_step()
-    size, gathered = nbytes, None
+    size, gathered = _update_sizes(closed, layout), None
     if planned.shard_plan is not None:
       size = _micro_sizes(planned)
       gathered = {i: size(v) for i, v in enumerate(closed.jaxpr.invars)
@@ -500,6 +500,32 @@ def _planned_flops(plan) -> float:
 
 def _splits_over(spec, axes) -> bool:
   return any(a in axes for dim in from_partition_spec(spec, len(spec)) for a in dim)
+
+
+def _update_sizes(closed, layout):
+  """Per-device bytes of the values of a data-parallel step: the gradient part's as
+  traced (whole parameters), the update's (after the gradient marker) split as the
+  state it updates. Under ZeRO the update runs on its shard: a value with the shape of
+  a split operand it reads (a gradient reduce-scattered, a sharded moment or
+  parameter) has that operand's shards; the others are whole."""
+  jaxpr = closed.jaxpr
+  lmesh = layout.logical_mesh
+  found = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == jaxpr_util.IDENTITY_MARKER]
+  if layout.grad_reduce_specs is None or len(found) != 1:
+    return nbytes
+  marker = jaxpr.eqns[found[0]]
+  shards = {v: _shards(spec, lmesh) for v, spec in zip(jaxpr.invars, layout.in_specs)}
+  batch_shards = math.prod(lmesh.axis_size(a) for a in layout.batch_axes)
+  shards.update((v, batch_shards) for v, spec in zip(marker.outvars, layout.grad_reduce_specs)
+                if spec is not None)
+  shape = lambda v: tuple(getattr(v.aval, "shape", ()))
+  for e in jaxpr.eqns[found[0] + 1:]:
+    for o in e.outvars:
+      same = [shards.get(v, 1) for v in e.invars
+              if not isinstance(v, jex.Literal) and shape(v) == shape(o)]
+      shards[o] = max(same, default=1)
+  after = {o for e in jaxpr.eqns[found[0] + 1:] for o in e.outvars}
+  return lambda v: nbytes(v) / shards[v] if v in after else nbytes(v)
 
 
 def _micro_sizes(planned):

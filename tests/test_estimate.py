@@ -97,6 +97,20 @@ def test_a_profile_calibrates_compute_time(tmp_path, monkeypatch):
   assert given.communication_s == pytest.approx(5e-6 + 2 * (n - 1) / n * reduce["result_bytes"] * 1e-11)
 
 
+@pytest.mark.parametrize("method", [jd.Zero2Parallel(), jd.Zero3Parallel()], ids=["zero2", "zero3"])
+def test_zero_updates_are_estimated_on_their_shards(method):
+  """A clipped AdamW's update makes the step's peak; under ZeRO it runs on each device's
+  shard of the gradients and moments. The estimate sized it whole: 1.70x XLA's bytes for
+  ZeRO-3 and 1.36x for ZeRO-2 on this MLP."""
+  data = models.regression_batch(32, 256, out=256)
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+  state = models.create_state(models.MLP(hidden=256, num_layers=4, out=256), data["x"], tx=tx)
+  est = jd.estimate(models.regression_step(jd.value_and_grad), state, data, method=method,
+                    compile=True)
+  compiled = est.compiled["total"]
+  assert abs(est.memory_per_device - compiled) <= 0.10 * compiled, est.summary()
+
+
 @pytest.mark.parametrize("workload", [_mlp, _gpt], ids=["mlp", "gpt"])
 def test_pipeline_estimate_per_stage(workload):
   """Each stage's peak: its backward program (per-device stages walked on their own
