@@ -131,3 +131,14 @@ def test_boundary_marker_is_inert_outside_layer_construction():
   layered = jd.manual_layer_construction(f, remat_layer=True)
   assert_trees_close(jax.grad(layered)(x), jax.grad(f)(x), rtol=1e-6, atol=0)
   assert dataclasses.is_dataclass(jd.AutoLayerOption(layer_num=2))
+
+
+def test_clustering_relaxes_its_upper_bound_when_no_split_meets_it():
+  """Three dots costing 1, 4 and 1 units in two layers: every split has a layer of 5
+  units, over the 1.5 x mean bound (4.5). It raised TypeError; the most balanced split's
+  bound is used instead."""
+  a, b, c = jnp.ones((8, 8)), jnp.ones((8, 32)), jnp.ones((32, 2))
+  jaxpr = jax.make_jaxpr(lambda x: ((x @ a) @ b) @ c)(jnp.ones((2, 8))).jaxpr
+  assert [jaxpr_util.eqn_flops(e) for e in jaxpr.eqns] == [256, 1024, 256]
+  layers = cluster_layers(jaxpr, 2)
+  assert len(layers.starts) == 2 and layers.starts[0] == 0

@@ -123,7 +123,8 @@ def cluster_layers(jaxpr, layer_num: int, eps: float = 0.5) -> Layers:
   convolutions; if the jaxpr has none, every equation costs 1), a layer must cost
   between ``avg / (1 + eps)`` and ``(1 + eps) · avg`` (the upper bound is raised to the
   costliest single equation if that alone exceeds it; the lower bound is dropped if no
-  split meets it). Among the splits within the bounds a dynamic program minimizes the
+  split meets it, and the upper bound raised to the most balanced split's if none meets
+  it either: three dots of 1, 4 and 1 units in two layers). Among the splits within the bounds a dynamic program minimizes the
   largest number of bytes crossing a boundary, then their sum::
 
       f[l][i] = min over j < i with cost(j..i) in bounds of  max(f[l-1][j], c[j])
@@ -148,9 +149,30 @@ def cluster_layers(jaxpr, layer_num: int, eps: float = 0.5) -> Layers:
   starts = _layer_dp(prefix, cross, layer_num, high, avg / (1 + eps))
   if starts is None:
     starts = _layer_dp(prefix, cross, layer_num, high, 0.0)
+  if starts is None:  # no split within the upper bound: the most balanced one's bound
+    starts = _layer_dp(prefix, cross, layer_num, _balanced_bound(cost, layer_num), 0.0)
   ends = starts[1:] + (n,)
   return Layers(starts, tuple(float(prefix[e] - prefix[s]) for s, e in zip(starts, ends)),
                 tuple(float(cross[s]) if s else 0.0 for s in starts))
+
+
+def _balanced_bound(cost, layer_num: int) -> float:
+  """The smallest largest-layer cost of a split into ``layer_num`` contiguous layers
+  (bisection on the bound; a bound is feasible if greedy packing needs at most
+  ``layer_num`` layers), slightly raised so that the split itself meets it."""
+  def layers_needed(bound):
+    count, total = 1, 0.0
+    for c in cost:
+      if total + c > bound:
+        count, total = count + 1, 0.0
+      total += c
+    return count
+
+  low, high = float(cost.max()), float(cost.sum())
+  for _ in range(60):
+    mid = (low + high) / 2
+    low, high = (low, mid) if layers_needed(mid) <= layer_num else (mid, high)
+  return high * (1 + 1e-9) + 1e-9
 
 
 def _layer_dp(prefix, cross, layer_num, high, low) -> tuple[int, ...] | None:

@@ -319,7 +319,8 @@ class PipelineExecutable:
                f"schedule {self.schedule.name}: {self.schedule.num_clocks} clocks",
                *([] if predicted is None else [
                    f"auto stages: predicted {[f'{c:.3g}' for c in predicted.stage_costs]} s per "
-                   f"micro-batch, {predicted.step_time:.3g} s per step"])))
+                   f"micro-batch, {predicted.step_time:.3g} s per step"]),
+               *self._random_bits_notes()))
     costs = [sum(c for c in st.objectives if c is not None) for st in self.stages]
     self.auto_sharding_objective = sum(costs) + (k - 1) * max(costs)
     # In a multi-process job the small results that are not state (the loss, metrics,
@@ -568,6 +569,20 @@ class PipelineExecutable:
                         for x in xs]
     self._slicer = jax.jit(split, out_shardings=self._full).lower(avals).compile()
     self._weigher = self._compile_weigher()
+
+  def _random_bits_notes(self) -> list[str]:
+    """A note when the loss draws random bits per example (dropout): each micro-batch
+    draws them at its own size from the same key, so every micro-batch gets the same
+    masks, not its rows of the whole batch's (as accumulation does)."""
+    loss = self._loss.closed.jaxpr
+    sizes = {loss.invars[p].aval.shape[0] for p, b in enumerate(self._batch_operand)
+             if b and loss.invars[p].aval.shape}
+    drawn = [e for e in loss.eqns
+             if e.primitive.name == "random_bits" and e.params["shape"][:1] in {(n,) for n in sizes}]
+    return [f"{len(drawn)} random draw(s) per example in the loss (dropout): every micro-batch "
+            f"draws the same masks, not its rows of the whole batch's as the single-device "
+            f"step does (not done for pipelines yet)"] if drawn and (
+                self._k > 1 or any("per device" in st.note for st in self.stages)) else []
 
   @functools.cached_property
   def _normalizer(self):
