@@ -193,46 +193,36 @@ def test_pipeline_with_aux_and_a_batch_slice_outside_the_loss():
   assert_trees_close(to_host(actual), expected, rtol=1e-5, atol=1e-6)
 
 
-def test_global_norm_clipping_keeps_each_stage_state_on_its_stage():
-  """``clip_by_global_norm`` makes every parameter's update read a norm over all
-  stages' gradients. The norm crosses as scalars (each stage's sums of squares, summed
-  over all devices, the clip factor sent back), so each stage's parameters and optimizer
-  state stay on its sub-mesh; before, the whole update ran replicated on every device
-  and the state lived there (3.8x the memory on an encoder-decoder with 4 stages)."""
-  config = models.GPTConfig(vocab=256, width=32, heads=4, depth=4, seq_len=32)
-  batch = models.token_batch(16, config)
-  tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1, momentum=0.9))
-  state = models.create_state(models.GPT(config), batch["tokens"][:, :-1], tx=tx)
-  serial = jax.jit(models.lm_step())
-  s1, m1 = serial(state, batch)
-  expected = to_host((s1, m1)), to_host(serial(s1, batch))
-  step = jd.parallelize(models.lm_step(jd.value_and_grad), method=jd.PipeshardParallel(
-      num_micro_batches=2, layer_option=jd.AutoLayerOption(layer_num=2)))
-  p1, n1 = step(state, batch)
-  first = to_host((p1, n1))
-  p2, n2 = step(p1, batch)
-  assert_trees_close((first, to_host((p2, n2))), expected, rtol=1e-5, atol=1e-6)
-  for path, x in jax.tree_util.tree_leaves_with_path((p2.params, p2.opt_state)):
-    if x.ndim:
-      assert len(x.sharding.device_set) == 4, (jax.tree_util.keystr(path), x.sharding)
-
-
 @pytest.mark.parametrize("method", [
     jd.PipeshardParallel(num_micro_batches=2, layer_option=jd.AutoLayerOption(layer_num=2)),
     jd.PipeshardParallel(num_micro_batches=2, layer_option=jd.AutoLayerOption(layer_num=2),
                          runtime="spmd", pipeline_schedule="1f1b")], ids=["mpmd", "spmd-1f1b"])
-def test_token_weighted_losses_match_serial(method):
+def test_token_weighted_losses_and_clipping_match_serial(method):
   """A token-weighted loss: each micro-batch's loss and gradients count by its share of
-  the tokens (the stage dividing by the count stays on its plan, not per device)."""
+  the tokens (the stage dividing by the count stays on its plan, not per device).
+
+  The optimizer clips by the global norm, so every parameter's update reads a norm over
+  all stages' gradients. The norm crosses as scalars (each stage's sums of squares,
+  summed over all devices, the clip factor sent back), so on the MPMD driver each
+  stage's parameters and optimizer state stay on its sub-mesh; before, the whole update
+  ran replicated on every device and the state lived there (3.8x the memory on an
+  encoder-decoder with 4 stages)."""
   from test_accumulation import token_weighted_setup
-  make, batch, step_fn = token_weighted_setup()
+  tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1, momentum=0.9))
+  make, batch, step_fn = token_weighted_setup(tx=tx)
   serial = jax.jit(step_fn())
   s1, m1 = serial(make(), batch)
   expected = to_host((s1, m1)), to_host(serial(s1, batch))
   step = jd.parallelize(step_fn(jd.value_and_grad), method=method)
   p1, n1 = step(make(), batch)
   first = to_host((p1, n1))
-  assert_trees_close((first, to_host(step(p1, batch))), expected, rtol=1e-5, atol=1e-6)
+  p2, n2 = step(p1, batch)
+  assert_trees_close((first, to_host((p2, n2))), expected, rtol=1e-5, atol=1e-6)
+  if method.runtime == "spmd":
+    return
+  for path, x in jax.tree_util.tree_leaves_with_path((p2.params, p2.opt_state)):
+    if x.ndim:
+      assert len(x.sharding.device_set) == 4, (jax.tree_util.keystr(path), x.sharding)
 
 
 def test_dropout_in_a_pipeline_is_noted():
@@ -256,7 +246,6 @@ def test_dropout_in_a_pipeline_is_noted():
   exe = jd.parallelize(step, method=jd.PipeshardParallel(
       num_micro_batches=2, layer_option=jd.AutoLayerOption(layer_num=2))).get_executable(state, data)
   assert any("every micro-batch draws the same masks" in n for n in exe.plan.notes), exe.plan.notes
-  assert np.isfinite(float(exe(state, data)[1]))
 
 
 def test_each_stage_is_shard_parallel_on_its_sub_mesh():
