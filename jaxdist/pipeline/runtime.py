@@ -305,6 +305,7 @@ class PipelineExecutable:
     self._compile_stages(option)
     self._compile_programs()
     self._compile_slicer()
+    self._weigher = self._compile_weigher()
     self.stats: dict = {}
     self.plan = Plan(
         method=method.name, mesh_shape=lmesh.shape, axis_names=lmesh.axis_names,
@@ -568,7 +569,6 @@ class PipelineExecutable:
     split = lambda xs: [[x.reshape((k, x.shape[0] // k) + x.shape[1:])[i] for i in range(k)]
                         for x in xs]
     self._slicer = jax.jit(split, out_shardings=self._full).lower(avals).compile()
-    self._weigher = self._compile_weigher()
 
   def _random_bits_notes(self) -> list[str]:
     """A note when the loss draws random bits per example (dropout): each micro-batch
@@ -577,8 +577,8 @@ class PipelineExecutable:
     loss = self._loss.closed.jaxpr
     sizes = {loss.invars[p].aval.shape[0] for p, b in enumerate(self._batch_operand)
              if b and loss.invars[p].aval.shape}
-    drawn = [e for e in loss.eqns
-             if e.primitive.name == "random_bits" and e.params["shape"][:1] in {(n,) for n in sizes}]
+    drawn = [e for e in loss.eqns if e.primitive.name == "random_bits"
+             and e.params["shape"] and e.params["shape"][0] in sizes]
     return [f"{len(drawn)} random draw(s) per example in the loss (dropout): every micro-batch "
             f"draws the same masks, not its rows of the whole batch's as the single-device "
             f"step does (not done for pipelines yet)"] if drawn and (
@@ -852,8 +852,7 @@ class PipelineExecutable:
           v = st.acts_out[p]
           c = cots.pop((b, v), None)
           if v is jaxpr.outvars[0]:  # the loss value: d(mean over micro-batches)/d(value_b)
-            c = (self._constant(a, 1.0 / k) if shares is None
-                 else move(shares[b].astype(a.dtype), a.sharding))
+            c = self._constant(a, 1.0 / k) if shares is None else shares[b].astype(a.dtype)
           t0 = clock()
           cot_out.append(move(c, a.sharding) if c is not None else self._constant(a, 0.0))
           move_s += clock() - t0
