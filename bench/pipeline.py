@@ -8,11 +8,18 @@ runtime (one program) on (4 stages, 2 data) in GPipe's and in lockstep 1F1B orde
 circular, on (2, 4) with two chunks per stage. Step times are medians of
 alternating runs (the machine is noisy). On simulated CPU devices pipelining has no
 bandwidth to save and every stage shares the same two cores, so this measures what the
-driver costs, not what a pipeline gains on a cluster. Run: python bench/pipeline.py
+driver costs, not what a pipeline gains on a cluster.
+
+Then a sweep: a GPT of 8 blocks at 4 and 8 stages x 4, 8, 16 micro-batches, on the MPMD
+driver (1F1B, automatic layers) and the SPMD runtime (lockstep 1F1B), beside ShardParallel:
+step time, the largest stage's peak bytes per device, the bubble measured from one step's
+recorded program spans against 1F1B's, the driver's own time per program; and a picture
+of one step's timeline (bench/results/pipeline_timeline.png). Run: python bench/pipeline.py
 """
 
 import common  # noqa: F401  (device setup)
 
+import os  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -21,6 +28,7 @@ import optax  # noqa: E402
 
 import jaxdist as jd  # noqa: E402
 from jaxdist import models  # noqa: E402
+from jaxdist.pipeline import timeline  # noqa: E402
 
 CONFIG = models.GPTConfig(vocab=1024, width=256, heads=8, depth=4, seq_len=128,
                           mark_boundaries=True)
@@ -107,7 +115,88 @@ def main():
   print("the same tiny GPT's whole step: " + ", ".join(
       f"{name} {statistics.median(t[1:]) * 1e3:.2f} ms" for name, t in tiny_steps.items())
       + " (the SPMD runtime has no driver: one dispatch per step)")
+  sweep()
   return True
+
+
+SWEEP = models.GPTConfig(vocab=1024, width=256, heads=8, depth=8, seq_len=128,
+                          mark_boundaries=True)
+SWEEP_ROUNDS = 5
+TIMELINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                        "pipeline_timeline.png")
+
+
+def sweep():
+  """The GPT at 4 and 8 stages x 4, 8, 16 micro-batches, on the MPMD driver (1F1B) and
+  the SPMD runtime (lockstep 1F1B), beside ShardParallel; one step's timeline drawn."""
+  batch = models.token_batch(BATCH, SWEEP)
+  make = lambda: models.create_state(models.GPT(SWEEP), batch["tokens"][:, :-1],
+                                     tx=optax.sgd(0.1, momentum=0.9))
+  methods = {("ShardParallel", 1, 1): jd.ShardParallel(logical_mesh_shape=(8,))}
+  for p in (4, 8):
+    for m in (4, 8, 16):
+      methods["mpmd", p, m] = jd.PipeshardParallel(
+          num_micro_batches=m, layer_option=jd.AutoLayerOption(layer_num=p), runtime="mpmd")
+      methods["spmd", p, m] = jd.PipeshardParallel(
+          num_micro_batches=m, runtime="spmd", pipeline_schedule="1f1b",
+          stage_option=jd.UniformStageOption(num_stages=p))
+  steps, states, exes, peaks = {}, {}, {}, {}
+  for key, method in methods.items():
+    states[key] = make()
+    steps[key] = jd.parallelize(models.lm_step(jd.value_and_grad), method=method)
+    states[key], _ = steps[key](states[key], batch)  # compile and warm up
+    exes[key] = steps[key].get_executable(states[key], batch)
+    if key[0] == "mpmd":  # each stage's peak: XLA's figures and what the driver keeps beside
+      compiled = jd.estimate(steps[key], states[key], batch, compile=True).compiled
+      peaks[key] = max(v for name, v in compiled.items() if name.startswith("stage"))
+    else:  # one program: every device's peak
+      peaks[key] = exes[key].get_total_allocation_size()
+  times = {key: [] for key in methods}
+  driver = {key: [] for key in methods}
+  for _ in range(SWEEP_ROUNDS):
+    for key in methods:
+      start = time.perf_counter()
+      states[key], metrics = steps[key](states[key], batch)
+      jax.block_until_ready(metrics)
+      times[key].append(time.perf_counter() - start)
+      if key[0] == "mpmd":  # the driver's own Python per stage program
+        stats = exes[key].stats
+        driver[key].append((stats["dispatch_s"] - stats["call_s"] - stats["move_s"])
+                           / stats["dispatched"])
+  spans = {}  # one more step of each driver, recorded (recording waits on results)
+  for key in methods:
+    if key[0] == "mpmd":
+      exes[key].record_timeline = True
+      states[key], metrics = steps[key](states[key], batch)
+      jax.block_until_ready(metrics)
+      spans[key] = exes[key].stats["timeline"]
+  base = statistics.median(times["ShardParallel", 1, 1])
+  print(f"\nGPT width {SWEEP.width}, {SWEEP.depth} blocks, seq {SWEEP.seq_len}, batch {BATCH}, "
+        f"{jax.device_count()} devices, {SWEEP_ROUNDS} alternating rounds; ShardParallel (8,) "
+        f"{base * 1e3:.1f} ms, peak {peaks['ShardParallel', 1, 1] / 2**20:.1f} MiB per device")
+  print(f"{'runtime':<8} {'stages':>6} {'micro':>6} {'step ms':>8} {'x Shard':>8} "
+        f"{'peak MiB/stage':>15} {'bubble':>7} {'ideal':>6} {'driver us':>10}")
+  for key in methods:
+    runtime, p, m = key
+    if runtime == "ShardParallel":
+      continue
+    t = statistics.median(times[key])
+    # 1F1B's idle share with equal passes: the driver's (p-1)/(m+p-1); lockstep 2(p-1)/(m+2p-2)
+    ideal = (p - 1) / (m + p - 1) if runtime == "mpmd" else 2 * (p - 1) / (m + 2 * p - 2)
+    measured = f"{timeline.bubble_fraction(spans[key]):.2f}" if key in spans else "-"
+    overhead = f"{statistics.median(driver[key]) * 1e6:.0f}" if driver[key] else "-"
+    print(f"{runtime:<8} {p:>6} {m:>6} {t * 1e3:>8.1f} {t / base:>8.2f} "
+          f"{peaks[key] / 2**20:>15.1f} {measured:>7} {ideal:>6.2f} {overhead:>10}")
+  print("(peak: the largest stage's bytes per device, from XLA's compiled programs plus, on "
+        "the driver, the inputs it keeps for micro-batches in flight; bubble: the driver's "
+        "recorded program spans of one step, idle over all stages' time; the SPMD runtime "
+        "is one program and has no spans to measure; ideal: 1F1B's with equal passes, for "
+        "the SPMD runtime in lockstep; driver: the driver's own Python per stage program)")
+  key = ("mpmd", 4, 8)
+  os.makedirs(os.path.dirname(TIMELINE), exist_ok=True)
+  timeline.draw(spans[key], TIMELINE, f"MPMD driver, 1F1B, 4 stages x 8 micro-batches, GPT width "
+                f"{SWEEP.width} on {jax.device_count()} simulated CPU devices (one step)")
+  print(f"timeline of one step ({key[1]} stages x {key[2]} micro-batches): {TIMELINE}")
 
 
 if __name__ == "__main__":

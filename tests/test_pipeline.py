@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxdist as jd
 from jaxdist import errors, models
+from jaxdist.pipeline import timeline
 from jaxdist.shard.planner import path_matches
 from helpers import assert_trees_close, to_host
 
@@ -41,6 +42,23 @@ def _serial_twice():
   return to_host((s1, m1)), to_host(serial(s1, batch))
 
 
+def _check_timeline(exe, tmp_path):
+  """The recorded spans of the step just run follow its schedule, and draw."""
+  spans = exe.stats["timeline"]
+  order = [(i.kind, i.stage, i.micro_batch) for i in exe.schedule.instructions
+           if i.kind != "U"]
+  assert sorted((s.kind, s.stage, s.micro_batch) for s in spans) == sorted(order)
+  for g in {s.group for s in spans}:  # a group's programs run one after another, in its order
+    mine = [s for s in spans if s.group == g]
+    assert [(s.kind, s.stage, s.micro_batch) for s in mine] == [
+        o for o in order if o[1] == g]
+    assert all(0 <= a.start <= a.end <= b.start <= b.end for a, b in zip(mine, mine[1:]))
+  assert max(s.end for s in spans) <= exe.stats["dispatch_s"] + 5.0  # times in seconds, not ns
+  assert 0 <= timeline.bubble_fraction(spans) < 1
+  timeline.draw(spans, str(tmp_path / "t.png"))
+  assert (tmp_path / "t.png").stat().st_size > 1000
+
+
 @pytest.mark.parametrize("method,in_flight", [
     # embedding + 2 blocks | 2 blocks + head: unequal stages, from the model's boundaries
     (jd.PipeshardParallel(num_micro_batches=4, stage_option=jd.UniformStageOption(num_stages=2)),
@@ -53,7 +71,7 @@ def _serial_twice():
     (jd.PipeshardParallel(num_micro_batches=4, layer_option=jd.AutoLayerOption(layer_num=4),
                           stage_option="auto"), None),
 ], ids=["manual-2-stages-1f1b", "auto-4-stages-1f1b", "auto-4-stages-gpipe", "auto-stages"])
-def test_pipeline_matches_serial_twice_in_a_row(method, in_flight):
+def test_pipeline_matches_serial_twice_in_a_row(method, in_flight, tmp_path):
   make, batch = _gpt()
   expected = _serial_twice()
   state = make()
@@ -62,8 +80,10 @@ def test_pipeline_matches_serial_twice_in_a_row(method, in_flight):
   p1, n1 = exe(state, batch)
   # (Copies: a numpy view of p1's buffers would keep the next call from reusing them.)
   first = to_host(jax.tree.map(jnp.copy, (p1, n1)))
+  exe.record_timeline = True
   p2, n2 = exe(p1, batch)
   assert_trees_close((first, to_host((p2, n2))), expected, rtol=1e-5, atol=1e-6)
+  _check_timeline(exe, tmp_path)
   # The state was donated (donate_argnums="auto"): each stage's update reused its buffers.
   alive = [jax.tree_util.keystr(k) for k, x in jax.tree_util.tree_leaves_with_path(
       (p1.params, p1.opt_state)) if x.ndim and not x.is_deleted()]

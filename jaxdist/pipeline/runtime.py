@@ -60,7 +60,7 @@ from jaxdist import jaxpr_util
 from jaxdist import methods as m
 from jaxdist.executable import compile_layout, place, place_inputs
 from jaxdist.mesh import LogicalMesh
-from jaxdist.pipeline import capture, layers as layers_mod, per_device, stage_shard
+from jaxdist.pipeline import capture, layers as layers_mod, per_device, stage_shard, timeline
 from jaxdist.pipeline.schedule import BACKWARD, FORWARD, Schedule, make_schedule
 from jaxdist.pipeline.partition import Stage, build_stages, stage_functions
 from jaxdist.plan import Plan, PlanEntry
@@ -230,7 +230,9 @@ class PipelineExecutable:
       seconds the driver took to issue them, "call_s": the part of it spent inside the
       stage programs' calls (the runtime's dispatch, plus the compute of programs it
       runs synchronously), "move_s": the part spent issuing moves between sub-meshes}``;
-      the rest, ``dispatch_s - call_s - move_s``, is the driver's own Python.
+      the rest, ``dispatch_s - call_s - move_s``, is the driver's own Python. With
+      ``record_timeline = True``, also ``"timeline"``: every forward and backward program's
+      :class:`~jaxdist.pipeline.timeline.Span` (see that module).
     input_shardings, output_shardings: pytrees of ``NamedSharding``.
     traced_step: the traced step (inputs, roles, jaxpr) it was compiled from.
     logical_mesh: all the devices its stages use.
@@ -307,6 +309,7 @@ class PipelineExecutable:
     self._compile_slicer()
     self._weigher = self._compile_weigher()
     self.stats: dict = {}
+    self.record_timeline = False
     self.plan = Plan(
         method=method.name, mesh_shape=lmesh.shape, axis_names=lmesh.axis_names,
         inputs=tuple(PlanEntry(leaf.path, leaf.shape, str(leaf.dtype), leaf.role, home.spec)
@@ -827,6 +830,9 @@ class PipelineExecutable:
     out_index = {v: i for i, v in enumerate(jaxpr.outvars)}
     clock = time.perf_counter
     call_s = move_s = 0.0
+    groups = self.schedule.num_stages // self.schedule.virtual_stages
+    recorder = timeline.Recorder(groups) if self.record_timeline else None
+    last_backward = {}  # stage -> the recorder's index of its latest backward
     start = clock()
     for ins in self.schedule.instructions:
       s, b, st = ins.stage, ins.micro_batch, self.stages[ins.stage]
@@ -838,6 +844,8 @@ class PipelineExecutable:
         outs = st.run_forward(ops, acts_in)
         move_s += t1 - t0
         call_s += clock() - t1
+        if recorder is not None:
+          recorder.issued(FORWARD, s, b, s % groups, t1, outs)
         for v, x in zip(st.acts_out, outs):
           acts[b, v] = x
           if v in out_index:
@@ -858,9 +866,14 @@ class PipelineExecutable:
           move_s += clock() - t0
         if s not in accumulated:
           accumulated[s] = st.zeros()
+        if recorder is not None and s in last_backward:  # before its accumulator is donated
+          recorder.wait_for(last_backward[s])
         t0 = clock()
         accumulated[s], act_cots = st.run_backward(ops, acts_in, cot_out, accumulated[s])
         call_s += clock() - t0
+        if recorder is not None:
+          last_backward[s] = recorder.issued(BACKWARD, s, b, s % groups, t0,
+                                             (accumulated[s], act_cots))
         for p, c in zip(st.float_in, act_cots):
           v = st.acts_in[p]
           t0 = clock()
@@ -871,6 +884,8 @@ class PipelineExecutable:
       dispatched += ins.kind in (FORWARD, BACKWARD)
     self.stats = {"max_in_flight": peak, "dispatched": dispatched,
                   "dispatch_s": clock() - start, "call_s": call_s, "move_s": move_s}
+    if recorder is not None:
+      self.stats["timeline"] = recorder.spans(len(self.stages))
     # A gradient stays on the stage that reads its operand; if several stages read it,
     # their sums are added where its result lives (all devices).
     num_aux = loss.kinds.count(capture.AUX)
