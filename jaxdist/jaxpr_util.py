@@ -452,6 +452,38 @@ def needed_eqns(jaxpr, outvars: Sequence, stop: Iterable[int] = ()) -> set[int]:
   return needed
 
 
+def without_dead_gradients(closed: jex.ClosedJaxpr, marker_name: str,
+                           dead_kind: str) -> jex.ClosedJaxpr:
+  """``closed`` without the marker outputs of kind ``dead_kind`` that nothing reads, and
+  without the equations that then compute nothing read (effect-free ones only).
+
+  A parameter frozen by its optimizer (``optax.set_to_zero`` under
+  ``optax.multi_transform``) has a gradient nothing reads; XLA drops its computation and
+  reduction, and so must the plan's prices and the estimates.
+  """
+  jaxpr = closed.jaxpr
+  live = {v for v in jaxpr.outvars if not isinstance(v, jex.Literal)}
+  kept = []
+  changed = False
+  for eqn in reversed(jaxpr.eqns):
+    used = [not isinstance(v, jex.DropVar) and v in live for v in eqn.outvars]
+    if eqn.primitive.name == marker_name and "kinds" in eqn.params:
+      keep = [u or kind != dead_kind for u, kind in zip(used, eqn.params["kinds"])]
+      if not all(keep):
+        changed = True
+        pick = lambda xs: [x for x, k in zip(xs, keep) if k]
+        eqn = eqn.replace(invars=pick(eqn.invars), outvars=pick(eqn.outvars),
+                          params=dict(eqn.params, kinds=tuple(pick(eqn.params["kinds"]))))
+    elif not any(used) and not eqn.effects:
+      changed = True
+      continue
+    kept.append(eqn)
+    live.update(v for v in eqn.invars if not isinstance(v, jex.Literal))
+  if not changed:
+    return closed
+  return jex.ClosedJaxpr(jaxpr.replace(eqns=kept[::-1]), closed.consts)
+
+
 def free_invars(jaxpr, eqn_ids: Iterable[int]) -> list[int]:
   """Positions of ``jaxpr.invars`` read by the given equations."""
   used = {v for i in eqn_ids for v in jaxpr.eqns[i].invars if not isinstance(v, jex.Literal)}

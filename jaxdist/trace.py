@@ -26,7 +26,7 @@ from jax import tree_util
 
 from jaxdist import errors
 from jaxdist import jaxpr_util
-from jaxdist.grad import grad_marker_p
+from jaxdist.grad import GRAD, grad_marker_p
 
 BATCH, PARAM, OPTIMIZER, INPUT = "batch", "param", "optimizer", "input"
 
@@ -219,7 +219,8 @@ def _trace_flat(fun, args, dyn_argnums, in_tree, flat_args):
   marker_index = None
   num_markers = jaxpr_util.count_primitive(closed.jaxpr, grad_marker_p.name)
   if num_markers:
-    closed = jaxpr_util.inline_calls(closed)
+    closed = jaxpr_util.without_dead_gradients(jaxpr_util.inline_calls(closed),
+                                               grad_marker_p.name, GRAD)
     found = jaxpr_util.find_eqns(closed.jaxpr, grad_marker_p.name)
     if num_markers == 1 and len(found) == 1:
       marker_index = found[0]
