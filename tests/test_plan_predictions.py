@@ -94,6 +94,30 @@ def test_predictions_with_micro_batches(workload, shape, k):
   _assert_predicted_as_compiled(exe)
 
 
+def test_an_argmax_over_a_split_dim_gathers_the_candidates():
+  """Accuracy (an argmax over the classes) with the classes split over "model": XLA takes
+  each shard's best (value, index) and all-gathers both; the plan priced an all-reduce."""
+  data = models.regression_batch(32, 64, out=64)
+  labels = jnp.arange(32) % 64
+  state = models.create_state(models.MLP(hidden=64, num_layers=2, out=64), data["x"],
+                              tx=optax.sgd(0.1))
+
+  def step(state, batch):
+    def loss_fn(params):
+      logits = state.apply_fn(params, batch["x"])
+      loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+      return loss, (logits.argmax(-1) == batch["labels"]).mean()
+    (loss, accuracy), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss, "accuracy": accuracy}
+
+  mesh = jd.LogicalMesh((2, 4), axis_names=("data", "model"), **UNIT)
+  option = jd.AutoShardingOption(partition_constraints={"*Dense_2*kernel*": P(None, "model")})
+  exe = jd.parallelize(step, method=jd.ShardParallel(devices=mesh, auto_sharding_option=option)
+                       ).get_executable(state, {"x": data["x"], "labels": labels})
+  assert exe.communication()["all-gather"].count >= 2
+  _assert_predicted_as_compiled(exe)
+
+
 def test_the_mesh_given_is_the_mesh():
   step, state, data = _mlp()
   for mesh, shape, names in [

@@ -234,6 +234,12 @@ def _reduction(eqn, cost_model: CostModel) -> Follow:
     out_spec = tuple(s for d, s in enumerate(spec) if d not in axes)
     shards = math.prod(cost_model.axis_sizes[a] for s in out_spec for a in s)
     comm = (("all-reduce", reduced, _nbytes(out) / shards),) if reduced else ()
+    if reduced and eqn.primitive.name in ("argmax", "argmin"):
+      # XLA gathers every shard's (value, index) candidates and picks among them locally.
+      gathered = math.prod(cost_model.axis_sizes[a] for a in reduced) / shards
+      size = math.prod(out.aval.shape) * gathered
+      comm = (("all-gather", reduced, size * eqn.invars[0].aval.dtype.itemsize),
+              ("all-gather", reduced, size * out.aval.dtype.itemsize))
     return Strategy(eqn.primitive.name, (out_spec,), (spec,),
                     sum(cost_model.collective(*c) for c in comm), comm)
 
