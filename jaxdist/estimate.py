@@ -329,7 +329,7 @@ def _split_step(planned, closed, size=nbytes, gathered_inputs=None):
   marker) or XLA reduces (no marker), walked on one device's micro-batch program."""
   layout = planned.layout
   lmesh, k = layout.logical_mesh, layout.num_micro_batches
-  timeline = Timeline(closed.jaxpr, size)
+  timeline = Timeline(closed.jaxpr, size, lmesh.devices[0].platform)
   jaxpr = closed.jaxpr
   markers = [e for e, _, _ in timeline.eqns if e.primitive.name == jaxpr_util.IDENTITY_MARKER]
   marker = markers[0] if layout.grad_reduce_specs is not None and len(markers) == 1 else None
@@ -468,7 +468,7 @@ def _shard_parallel(planned):
     return nbytes(v)
 
   jaxpr = result.step.closed_jaxpr.jaxpr
-  timeline = Timeline(jaxpr, size)
+  timeline = Timeline(jaxpr, size, lmesh.devices[0].platform)
   written = sum(b for _, _, b in timeline.buffers.values())
   # A collective's result is a buffer of its own next to its operand.
   for k, (kind, axes, b) in graph.collectives(choice, plan.cost_model):

@@ -13,6 +13,10 @@ last reader. What XLA keeps out of memory is left out:
 Calls (``pjit``, ``custom_jvp_call``, ``custom_vjp_call``, ``remat``) are walked through
 in place; a loop (``scan``, ``while``) or ``cond`` adds its body's own peak while it runs,
 with each iteration's values at their per-iteration size.
+
+XLA:CPU has no 16-bit float arithmetic: it rounds each bf16 / f16 result and keeps it
+in f32 (``convert(convert(x))`` pairs in the optimized module), so on that backend such a
+buffer takes twice its dtype's bytes (``platform="cpu"``).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import dataclasses
 from collections.abc import Callable
 
 import jax.extend.core as jex
+import jax.numpy as jnp
 
 from jaxdist import jaxpr_util
 from jaxdist.shard.strategies import ELEMENTWISE, REDUCTIONS, nbytes
@@ -59,7 +64,9 @@ class Timeline:
     position: id(equation) → its position.
   """
 
-  def __init__(self, jaxpr, size: Callable[[object], float] = nbytes):
+  def __init__(self, jaxpr, size: Callable[[object], float] = nbytes, platform: str | None = None):
+    if platform == "cpu":
+      size = _widened(size)
     self.eqns, self._rename = _linear(jaxpr)
     n = len(self.eqns)
     inputs = set(jaxpr.invars) | set(jaxpr.constvars)
@@ -125,6 +132,15 @@ class Timeline:
     live = sorted(((label, b) for label, (s, e, b) in self.buffers.items() if s <= at <= e),
                   key=lambda x: -x[1])
     return Peak(best, at, tuple(live))
+
+
+def _widened(size: Callable[[object], float]) -> Callable[[object], float]:
+  """``size`` with 16-bit floats stored as f32 (XLA:CPU)."""
+  def widened(v):
+    dtype = getattr(getattr(v, "aval", None), "dtype", None)
+    half = dtype is not None and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2
+    return size(v) * 2 if half else size(v)
+  return widened
 
 
 def _fused(eqn, outs, readers, outputs) -> bool:

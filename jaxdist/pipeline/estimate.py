@@ -66,7 +66,7 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
       part = dict(est.breakdown)
       part["grads"] += part.pop("optimizer")  # the backward's donated gradient accumulator
     else:
-      part = _per_device_parts(per_device)
+      part = _per_device_parts(per_device, st.mesh.devices[0].platform)
     held = sum(_device_bytes(a) for a in st.in_avals) * max(in_flight[s] - 1, 0)
     program = sum(part.values())
     breakdown = dict(params=part["params"], optimizer=_optimizer_bytes(exe, st),
@@ -142,7 +142,7 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
 STATE = ("params", "optimizer", "grads")
 
 
-def _per_device_parts(pd) -> dict[str, float]:
+def _per_device_parts(pd, platform: str) -> dict[str, float]:
   """The backward program of a stage run per device (``per_device.py``), per device:
   its operands, micro-batch slices and cotangents, one full-size row of the gradient
   accumulator (donated), and the temporaries of a liveness walk of the per-device trace."""
@@ -162,7 +162,8 @@ def _per_device_parts(pd) -> dict[str, float]:
   return dict(params=params, optimizer=0.0,
               batch=sum(map(size, ops)) - params + sum(map(size, acts_in + cots)),
               other=outputs, grads=accumulator, activations=0.0,
-              temporaries=Timeline(_accumulate_early(closed.jaxpr, len(grads))).peak().bytes)
+              temporaries=Timeline(_accumulate_early(closed.jaxpr, len(grads)),
+                                   platform=platform).peak().bytes)
 
 
 def _accumulate_early(jaxpr, num_accumulators: int):
