@@ -48,6 +48,8 @@ class GPTConfig:
   # The blocks as one nn.scan over nn.remat (MaxText's layout: each weight stacked with a
   # leading layer dim, params["blocks"]["Block_0"]); no boundaries inside.
   scan_layers: bool = False
+  # The LM head reuses the token embedding (GPT-2's tied output layer): no head kernel.
+  tied_embedding: bool = False
 
 
 class Block(nn.Module):
@@ -78,12 +80,13 @@ class ScanBlock(nn.Module):
     return Block(self.config)(x), None
 
 
-def embed(module: nn.Module, c: GPTConfig, tokens):
+def embed(module: nn.Module, c: GPTConfig, tokens, with_table: bool = False):
   """Token + learned position embedding, created in ``module``'s compact scope (as
-  ``Embed_0`` and ``pos_embedding``)."""
-  x = nn.Embed(c.vocab, c.width)(tokens)
+  ``Embed_0`` and ``pos_embedding``); ``with_table``: also the ``nn.Embed`` (to tie)."""
+  table = nn.Embed(c.vocab, c.width)
   pos = module.param("pos_embedding", nn.initializers.normal(0.02), (c.seq_len, c.width))
-  return x + pos[: tokens.shape[1]]
+  x = table(tokens) + pos[: tokens.shape[1]]
+  return (x, table) if with_table else x
 
 
 class GPT(nn.Module):
@@ -94,7 +97,7 @@ class GPT(nn.Module):
   @nn.compact
   def __call__(self, tokens):
     c = self.config
-    x = embed(self, c, tokens)
+    x, table = embed(self, c, tokens, with_table=True)
     if c.scan_layers:
       x, _ = nn.scan(nn.remat(ScanBlock), variable_axes={"params": 0},
                      split_rngs={"params": True}, length=c.depth)(c, name="blocks")(x, None)
@@ -105,7 +108,7 @@ class GPT(nn.Module):
     if c.mark_boundaries:
       mark_pipeline_boundary()
     x = nn.LayerNorm()(x)
-    return nn.Dense(c.vocab)(x)
+    return table.attend(x) if c.tied_embedding else nn.Dense(c.vocab)(x)
 
 
 class EncoderBlock(nn.Module):

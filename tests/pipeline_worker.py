@@ -7,6 +7,7 @@ on every process) and the sum of every parameter after them, gathered onto all d
 follows the pipeline, on the gathered state. Then the same two steps under the SPMD
 runtime (one program over a (2 stages, 4 data) mesh, a stage per process, GPipe)."""
 
+import dataclasses
 import json
 
 import jaxdist as jd
@@ -43,6 +44,23 @@ assert all(x.sharding.device_set == set(jax.devices()) for x in jax.tree.leaves(
 stage_processes = [sorted({d.process_index for d in st.mesh.devices}) for st in exe.stages]
 
 
+def tied_embedding_pipeline():
+  """A model whose output layer reuses the input embedding, a stage per process: the
+  embedding is read by both stages, lives on all devices and sums both stages'
+  gradients across the processes. Its losses and the embedding's sum after 2 steps."""
+  tied = models.GPT(dataclasses.replace(config, tied_embedding=True))
+  tied_state = models.create_state(tied, batch["tokens"][:, :-1], tx=optax.sgd(0.1, momentum=0.9))
+  tied_step = jd.parallelize(models.lm_step(jd.value_and_grad), method=jd.PipeshardParallel(
+      num_micro_batches=2, stage_option=jd.UniformStageOption(num_stages=2)))
+  out = []
+  for _ in range(2):
+    tied_state, metrics = tied_step(tied_state, batch)
+    out.append(float(metrics["loss"]))
+  embedding = tied_step.get_executable(tied_state, batch).gather(tied_state.params)
+  table = embedding["params"]["Embed_0"]["embedding"]
+  return out, float(np.asarray(table.addressable_data(0)).sum())
+
+
 def eval_fn(state, batch):
   tokens = batch["tokens"]
   logits = state.apply_fn(state.params, tokens[:, :-1])
@@ -59,6 +77,7 @@ spmd_losses = []
 for _ in range(2):
   state, metrics = spmd(state, batch)
   spmd_losses.append(float(metrics["loss"]))
+tied_losses, tied_sum = tied_embedding_pipeline()
 replicated = jax.sharding.NamedSharding(jax.sharding.Mesh(jax.devices(), ("all",)),
                                         jax.sharding.PartitionSpec())
 sums = jax.jit(lambda tree: [x.sum() for x in jax.tree.leaves(tree)],
@@ -67,4 +86,5 @@ print("RESULT " + json.dumps({"losses": losses, "stage_processes": stage_process
                               "eval_loss": eval_loss,
                               "param_sums": param_sums, "spmd_losses": spmd_losses,
                               "spmd_param_sums": [float(x.addressable_data(0)) for x in sums],
-                              "spmd_mesh": list(spmd.get_executable(state, batch).plan.mesh_shape)}))
+                              "spmd_mesh": list(spmd.get_executable(state, batch).plan.mesh_shape),
+                              "tied_losses": tied_losses, "tied_embedding_sum": tied_sum}))

@@ -3,6 +3,7 @@ Zero2Parallel with micro-batches, pipelines and an evaluation that follows one, 
 example resumed from a checkpoint), and its processes agree on plans and tuning picks that
 could differ between them."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -89,6 +90,18 @@ def test_two_process_pipelines_with_one_stage_per_process_match_serial():
     assert run["spmd_mesh"] == [2, 4]
     np.testing.assert_allclose(run["spmd_losses"], losses, rtol=1e-5)
     np.testing.assert_allclose(run["spmd_param_sums"], sums, rtol=1e-5, atol=1e-5)
+  # A tied embedding read by both stages, on different processes.
+  tied = dataclasses.replace(config, tied_embedding=True)
+  state = models.create_state(models.GPT(tied), batch["tokens"][:, :-1],
+                              tx=optax.sgd(0.1, momentum=0.9))
+  losses = []
+  for _ in range(2):
+    state, metrics = step(state, batch)
+    losses.append(float(metrics["loss"]))
+  table = float(np.asarray(state.params["params"]["Embed_0"]["embedding"]).sum())
+  for run in (result, first):
+    np.testing.assert_allclose(run["tied_losses"], losses, rtol=1e-5)
+    np.testing.assert_allclose(run["tied_embedding_sum"], table, rtol=1e-5, atol=1e-5)
 
 
 def test_processes_agree_on_plans_and_picks_that_could_differ():

@@ -205,8 +205,7 @@ def move(x, target: NamedSharding):
   if len(src) != len(dst):
     raise errors.InvalidArgumentError(
         f"a multi-process pipeline cannot move a value from {len(src)} devices to {len(dst)}; "
-        f"give every stage as many devices (a stage per process, say) and no parameter to "
-        f"several stages.")
+        f"give every stage as many devices (a stage per process, say).")
   if src != dst and x.sharding.shard_shape(x.shape) != target.shard_shape(x.shape):
     # A cross-process transfer needs equal shard shapes: lay the value out as the target
     # wants on its own devices first (a local reshard, or a placeholder elsewhere).
