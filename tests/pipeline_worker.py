@@ -5,7 +5,8 @@ losses of two steps (the loss is made on the last stage, process 1, and comes ba
 on every process) and the sum of every parameter after them, gathered onto all devices
 (every process gathers; each reads its own copy), and the loss of an evaluation step that
 follows the pipeline, on the gathered state. Then the same two steps under the SPMD
-runtime (one program over a (2 stages, 4 data) mesh, a stage per process, GPipe)."""
+runtime (one program over a (2 stages, 4 data) mesh, a stage per process, GPipe). Then a
+GPT with a tied embedding on three unequal stages (4 | 2 + 2 devices)."""
 
 import dataclasses
 import json
@@ -45,20 +46,27 @@ stage_processes = [sorted({d.process_index for d in st.mesh.devices}) for st in 
 
 
 def tied_embedding_pipeline():
-  """A model whose output layer reuses the input embedding, a stage per process: the
-  embedding is read by both stages, lives on all devices and sums both stages'
-  gradients across the processes. Its losses and the embedding's sum after 2 steps."""
+  """A model whose output layer reuses the input embedding, on stages of unequal sizes
+  across the processes: the embedding is read by the first and last stages, lives on
+  all devices and sums both stages' gradients across the processes. Its losses and the
+  embedding's sum after 2 steps."""
   tied = models.GPT(dataclasses.replace(config, tied_embedding=True))
   tied_state = models.create_state(tied, batch["tokens"][:, :-1], tx=optax.sgd(0.1, momentum=0.9))
+  # Unequal stages: embedding + block 0 on process 0's 4 devices, block 1 and the head on
+  # 2 devices each of process 1.
+  stages = jd.ManualStageOption(forward_stage_layer_ids=[[0, 1], [2], [3]],
+                                submesh_shapes=[(4,), (2,), (2,)])
   tied_step = jd.parallelize(models.lm_step(jd.value_and_grad), method=jd.PipeshardParallel(
-      num_micro_batches=2, stage_option=jd.UniformStageOption(num_stages=2)))
+      num_micro_batches=2, stage_option=stages))
   out = []
   for _ in range(2):
     tied_state, metrics = tied_step(tied_state, batch)
     out.append(float(metrics["loss"]))
   embedding = tied_step.get_executable(tied_state, batch).gather(tied_state.params)
   table = embedding["params"]["Embed_0"]["embedding"]
-  return out, float(np.asarray(table.addressable_data(0)).sum())
+  layout = [(len(st.mesh.devices), sorted({d.process_index for d in st.mesh.devices}))
+            for st in tied_step.get_executable(tied_state, batch).stages]
+  return out, float(np.asarray(table.addressable_data(0)).sum()), layout
 
 
 def eval_fn(state, batch):
@@ -77,7 +85,7 @@ spmd_losses = []
 for _ in range(2):
   state, metrics = spmd(state, batch)
   spmd_losses.append(float(metrics["loss"]))
-tied_losses, tied_sum = tied_embedding_pipeline()
+tied_losses, tied_sum, tied_stages = tied_embedding_pipeline()
 replicated = jax.sharding.NamedSharding(jax.sharding.Mesh(jax.devices(), ("all",)),
                                         jax.sharding.PartitionSpec())
 sums = jax.jit(lambda tree: [x.sum() for x in jax.tree.leaves(tree)],
@@ -87,4 +95,5 @@ print("RESULT " + json.dumps({"losses": losses, "stage_processes": stage_process
                               "param_sums": param_sums, "spmd_losses": spmd_losses,
                               "spmd_param_sums": [float(x.addressable_data(0)) for x in sums],
                               "spmd_mesh": list(spmd.get_executable(state, batch).plan.mesh_shape),
-                              "tied_losses": tied_losses, "tied_embedding_sum": tied_sum}))
+                              "tied_losses": tied_losses, "tied_embedding_sum": tied_sum,
+                              "tied_stages": tied_stages}))

@@ -90,7 +90,8 @@ def test_two_process_pipelines_with_one_stage_per_process_match_serial():
     assert run["spmd_mesh"] == [2, 4]
     np.testing.assert_allclose(run["spmd_losses"], losses, rtol=1e-5)
     np.testing.assert_allclose(run["spmd_param_sums"], sums, rtol=1e-5, atol=1e-5)
-  # A tied embedding read by both stages, on different processes.
+  # A tied embedding read by the first and last of three unequal stages (4 devices on
+  # process 0, 2 and 2 on process 1).
   tied = dataclasses.replace(config, tied_embedding=True)
   state = models.create_state(models.GPT(tied), batch["tokens"][:, :-1],
                               tx=optax.sgd(0.1, momentum=0.9))
@@ -100,6 +101,7 @@ def test_two_process_pipelines_with_one_stage_per_process_match_serial():
     losses.append(float(metrics["loss"]))
   table = float(np.asarray(state.params["params"]["Embed_0"]["embedding"]).sum())
   for run in (result, first):
+    assert run["tied_stages"] == [[4, [0]], [2, [1]], [2, [1]]]
     np.testing.assert_allclose(run["tied_losses"], losses, rtol=1e-5)
     np.testing.assert_allclose(run["tied_embedding_sum"], table, rtol=1e-5, atol=1e-5)
 

@@ -181,11 +181,13 @@ def move(x, target: NamedSharding):
   - a value on a sub-mesh: ``jax.device_put`` to a sub-mesh of as many devices, JAX's
     cross-host transfer, which both processes must issue (resharded first on its own
     devices where the shard shapes differ: the transfer needs them equal);
+  - sub-meshes of unequal size: replicated over every device first (:func:`replicate`),
+    then each process takes its shards of the target;
   - a process holding neither end: an empty placeholder of the target.
 
   Raises:
-    InvalidArgumentError: a cross-process move between sub-meshes of unequal size, or
-      from a sub-mesh to all devices.
+    InvalidArgumentError: from :func:`replicate`, a sub-mesh whose size does not divide
+      the device count.
   """
   if not isinstance(x, jax.Array) or jax.process_count() == 1:
     return place(x, target)
@@ -202,10 +204,9 @@ def move(x, target: NamedSharding):
     return jax.make_array_from_single_device_arrays(x.shape, target, shards, dtype=x.dtype)
   if target.is_fully_replicated and dst == set(jax.devices()):
     return replicate(x, target)  # a sub-mesh's value (a stage's scalar) onto all devices
-  if len(src) != len(dst):
-    raise errors.InvalidArgumentError(
-        f"a multi-process pipeline cannot move a value from {len(src)} devices to {len(dst)}; "
-        f"give every stage as many devices (a stage per process, say).")
+  if len(src) != len(dst):  # unequal sub-meshes: through a copy on every device
+    every = NamedSharding(jax.sharding.Mesh(np.array(jax.devices()), ("all",)), PartitionSpec())
+    return move(replicate(x, every), target)
   if src != dst and x.sharding.shard_shape(x.shape) != target.shard_shape(x.shape):
     # A cross-process transfer needs equal shard shapes: lay the value out as the target
     # wants on its own devices first (a local reshard, or a placeholder elsewhere).
