@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 
 import jax.extend.core as jex
+import jax.numpy as jnp
 
 from jaxdist.jaxpr_util import MARKERS
 from jaxdist.trace import BATCH, PARAM, TracedStep
@@ -103,6 +104,23 @@ def loss_normalizer(jaxpr, marker_index: int, params: set):
   marker = jaxpr.eqns[marker_index]
   values = [v for v, kind in zip(marker.invars, marker.params["kinds"]) if kind == "value"]
   return normalizer_of(jaxpr.eqns[:marker_index], values[0], params) if len(values) == 1 else None
+
+
+def padding_guard(division: int | None):
+  """A ``before`` hook for ``jaxpr_util.eval_eqns`` that takes the divisor of equation
+  ``division`` (a token-weighted loss's ``n / d``) as 1 where it is 0: a share of the
+  batch that is padding only (``n = d = 0``) then adds a loss and gradients of 0 instead
+  of 0 / 0. None without a division."""
+  if division is None:
+    return None
+
+  def guard(i, operands):
+    if i != division:
+      return operands
+    n, d = operands
+    return [n, jnp.where(d == 0, jnp.ones_like(d), d)]
+
+  return guard
 
 
 def normalizer_of(eqns, value, params: set):

@@ -16,7 +16,7 @@ import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
 
-from jaxdist import errors
+from jaxdist import coupling, errors
 from jaxdist import jaxpr_util
 from jaxdist import methods as m
 from jaxdist.mesh import LogicalMesh
@@ -254,7 +254,13 @@ def build_stages(method: m.PipeshardParallel, loss: capture.CapturedLoss, lmesh:
   return stages, starts, predicted
 
 
-def stage_functions(loss: capture.CapturedLoss, stage: Stage):
+def stage_functions(loss: capture.CapturedLoss, stage: Stage, zero_divisor_eqn: int | None = None):
+  """The stage's forward and backward on its operands and activations, and the positions
+  of its differentiated operands and float activations in and out.
+
+  ``zero_divisor_eqn``: a token-weighted loss's division ``n / d``, guarded by
+  ``coupling.padding_guard`` (a micro-batch of padding only adds 0, not 0 / 0).
+  """
   jaxpr = loss.closed.jaxpr
   operand_vars = [jaxpr.invars[k] for k in stage.operands]
   diff = [p for p, k in enumerate(stage.operands)
@@ -262,10 +268,12 @@ def stage_functions(loss: capture.CapturedLoss, stage: Stage):
   float_in = [p for p, v in enumerate(stage.acts_in) if _is_float(v.aval)]
   float_out = [p for p, v in enumerate(stage.acts_out) if _is_float(v.aval)]
 
+  guard = coupling.padding_guard(zero_divisor_eqn)
+
   def forward(operands, acts_in):
     env = dict(zip(operand_vars, operands))
     env.update(zip(stage.acts_in, acts_in))
-    jaxpr_util.eval_eqns(jaxpr, env, stage.eqns)
+    jaxpr_util.eval_eqns(jaxpr, env, stage.eqns, before=guard)
     return [env[v] for v in stage.acts_out]
 
   def backward(operands, acts_in, cotangents, accumulated):
