@@ -227,9 +227,15 @@ def test_token_weighted_losses_and_clipping_match_serial(method):
   stage's parameters and optimizer state stay on its sub-mesh; before, the whole update
   ran replicated on every device and the state lived there (3.8x the memory on an
   encoder-decoder with 4 stages). A micro-batch of padding only adds nothing (it made
-  the step NaN under both runtimes)."""
+  the step NaN under both runtimes). The first block is frozen (``set_to_zero``): on the
+  driver no stage differentiates it (a 4-block model with its first block frozen: that
+  stage's backward did 1.24x the flops) and its ``p + 0`` update stays on its stage."""
   from test_accumulation import token_weighted_setup
-  tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1, momentum=0.9))
+  frozen = lambda params: jax.tree_util.tree_map_with_path(
+      lambda path, _: "frozen" if "block_0" in jax.tree_util.keystr(path) else "train", params)
+  tx = optax.multi_transform({"train": optax.chain(optax.clip_by_global_norm(0.05),
+                                                   optax.sgd(0.1, momentum=0.9)),
+                              "frozen": optax.set_to_zero()}, frozen)
   make, batch, step_fn = token_weighted_setup(tx=tx)
   batch["mask"] = batch["mask"].at[:16].set(0.0)  # micro-batch 0 is padding only: 0 / 0
   serial = jax.jit(step_fn())
@@ -245,6 +251,10 @@ def test_token_weighted_losses_and_clipping_match_serial(method):
   for path, x in jax.tree_util.tree_leaves_with_path((p2.params, p2.opt_state)):
     if x.ndim:
       assert len(x.sharding.device_set) == 4, (jax.tree_util.keystr(path), x.sharding)
+  exe = step.get_executable(p2, batch)
+  trained = [x for path, x in jax.tree_util.tree_leaves_with_path(p2.params)
+             if "block_0" not in jax.tree_util.keystr(path)]
+  assert sum(len(st.diff) for st in exe.stages) == len(trained)
 
 
 def test_dropout_in_a_pipeline_is_noted():

@@ -66,7 +66,7 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
       part = dict(est.breakdown)
       part["grads"] += part.pop("optimizer")  # the backward's donated gradient accumulator
     else:
-      part = _per_device_parts(per_device, st.mesh.devices[0].platform)
+      part = _per_device_parts(per_device, st.mesh.devices[0].platform, exe._frozen)
     held = sum(_device_bytes(a) for a in st.in_avals) * max(in_flight[s] - 1, 0)
     program = sum(part.values())
     breakdown = dict(params=part["params"], optimizer=_optimizer_bytes(exe, st),
@@ -142,11 +142,12 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
 STATE = ("params", "optimizer", "grads")
 
 
-def _per_device_parts(pd, platform: str) -> dict[str, float]:
+def _per_device_parts(pd, platform: str, frozen: frozenset) -> dict[str, float]:
   """The backward program of a stage run per device (``per_device.py``), per device:
   its operands, micro-batch slices and cotangents, one full-size row of the gradient
   accumulator (donated), and the temporaries of a liveness walk of the per-device trace."""
-  forward, backward, diff, float_in, float_out = stage_functions(pd.loss, pd.stage)
+  forward, backward, diff, float_in, float_out = stage_functions(pd.loss, pd.stage,
+                                                                 frozen=frozen)
   del forward, float_in
   loss_jaxpr = pd.loss.closed.jaxpr
   aval = lambda v: jax.ShapeDtypeStruct(tuple(v.aval.shape), v.aval.dtype)

@@ -254,17 +254,19 @@ def build_stages(method: m.PipeshardParallel, loss: capture.CapturedLoss, lmesh:
   return stages, starts, predicted
 
 
-def stage_functions(loss: capture.CapturedLoss, stage: Stage, zero_divisor_eqn: int | None = None):
+def stage_functions(loss: capture.CapturedLoss, stage: Stage, zero_divisor_eqn: int | None = None,
+                    frozen: frozenset = frozenset()):
   """The stage's forward and backward on its operands and activations, and the positions
   of its differentiated operands and float activations in and out.
 
   ``zero_divisor_eqn``: a token-weighted loss's division ``n / d``, guarded by
   ``coupling.padding_guard`` (a micro-batch of padding only adds 0, not 0 / 0).
+  ``frozen``: loss operand positions not differentiated (gradients nothing reads).
   """
   jaxpr = loss.closed.jaxpr
   operand_vars = [jaxpr.invars[k] for k in stage.operands]
   diff = [p for p, k in enumerate(stage.operands)
-          if k >= loss.num_consts and _is_float(jaxpr.invars[k].aval)]
+          if k >= loss.num_consts and k not in frozen and _is_float(jaxpr.invars[k].aval)]
   float_in = [p for p, v in enumerate(stage.acts_in) if _is_float(v.aval)]
   float_out = [p for p, v in enumerate(stage.acts_out) if _is_float(v.aval)]
 

@@ -145,14 +145,16 @@ def _spec(kind, axes) -> PartitionSpec:
   return PartitionSpec(*([None] * kind[1]), axes)
 
 
-def programs(pd: PerDeviceStage, mesh):
+def programs(pd: PerDeviceStage, mesh, frozen: frozenset = frozenset()):
   """The stage's forward and backward as functions of global values, per device inside.
 
-  The backward's accumulator has a leading dimension of one row per device.
+  The backward's accumulator has a leading dimension of one row per device; ``frozen``:
+  loss operand positions not differentiated.
   """
   axes = tuple(mesh.axis_names)
   n = mesh.devices.size
-  forward, backward, diff, float_in, float_out = stage_functions(pd.loss, pd.stage)
+  forward, backward, diff, float_in, float_out = stage_functions(pd.loss, pd.stage,
+                                                                 frozen=frozen)
   op_specs = [_spec(k, axes) for k in pd.operands]
   in_specs = [_spec(k, axes) for k in pd.acts_in]
   out_specs = [_spec(k, axes) for k in pd.acts_out]

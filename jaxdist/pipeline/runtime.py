@@ -280,6 +280,14 @@ class PipelineExecutable:
             f"shape {shape}, whose dim 0 does not divide into {k} micro-batches; use a batch "
             f"size that is a multiple of {k}.")
     self._lmesh = lmesh
+    # Parameters whose gradient nothing reads (frozen by the optimizer: optax.set_to_zero
+    # under multi_transform): no stage differentiates or accumulates them.
+    read = {v for e in jaxpr.eqns for v in e.invars if not isinstance(v, jex.Literal)}
+    read |= {v for v in jaxpr.outvars if not isinstance(v, jex.Literal)}
+    num_aux = loss.kinds.count(capture.AUX)
+    self._frozen = frozenset(loss.num_consts + j - 1 - num_aux
+                             for j, kind in enumerate(loss.kinds)
+                             if kind == capture.GRAD and eqn.outvars[j] not in read)
     state_bytes = {role: sum(math.prod(leaf.shape) * leaf.dtype.itemsize
                              for leaf in step.inputs if leaf.role == role)
                    for role in (PARAM, OPTIMIZER)}
@@ -448,7 +456,8 @@ class PipelineExecutable:
         s = next(iter(r))
         st = self.stages[s]
         p = st.operands.index(loss.num_consts + j - 1 - num_aux)
-        self._result_homes[j] = st.grad_homes[st.diff.index(p)]
+        if p in st.diff:  # (not a frozen parameter's)
+          self._result_homes[j] = st.grad_homes[st.diff.index(p)]
       for s in r if len(r) == 1 else ():
         pins[s][eqn.outvars[j]] = self._result_homes[j].spec
     # A parameter a stage owns lives as the stage's programs read it.
@@ -533,6 +542,14 @@ class PipelineExecutable:
       r = result_stages[j]
       origin[v] = {next(iter(r)) if len(r) == 1 else full: 0}
       placed.add(v)
+    # A parameter one stage reads lives there: so does its update when no gradient comes
+    # into it (a frozen parameter's ``p + 0``).
+    inputs = set(jaxpr.invars)
+    for p, v in enumerate(jaxpr.eqns[self._index].invars):
+      owners = {s for s, st in enumerate(self.stages) if p in st.operands}
+      if v in inputs and len(owners) == 1 and p in self._frozen:
+        origin[v] = {next(iter(owners)): 0}
+        placed.add(v)
     # Only scalars move between a stage and all devices in the update (a global gradient
     # norm, a loss-scale flag): anything larger keeps an equation where it lives.
     large = lambda v: math.prod(getattr(v.aval, "shape", ())) > 1
@@ -629,7 +646,8 @@ class PipelineExecutable:
     guard = None
     if self._normalizer is not None:  # the division n / d: a micro-batch of padding only
       guard = next(i for i, e in enumerate(loss_jaxpr.eqns) if loss_jaxpr.outvars[0] in e.outvars)
-    forward, backward, diff, float_in, float_out = stage_functions(self._loss, stage, guard)
+    forward, backward, diff, float_in, float_out = stage_functions(self._loss, stage, guard,
+                                                                   self._frozen)
     stage.diff, stage.float_in, stage.float_out = diff, float_in, float_out
     aval = lambda v: jax.ShapeDtypeStruct(tuple(v.aval.shape), v.aval.dtype)
     ops = [aval(loss_jaxpr.invars[p]) for p in stage.operands]
@@ -744,7 +762,8 @@ class PipelineExecutable:
                                        self._batch_operand, n)
 
   def _compile_per_device(self, stage: Stage, pd, fwd_step):
-    forward, backward, op_sh, in_sh, out_sh, row = per_device.programs(pd, stage.mesh.mesh)
+    forward, backward, op_sh, in_sh, out_sh, row = per_device.programs(pd, stage.mesh.mesh,
+                                                                       self._frozen)
     n, n_ops, num_diff = stage.mesh.num_devices, len(stage.operands), len(stage.diff)
     placed = lambda avals, shardings: [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
                                        for a, sh in zip(avals, shardings)]
@@ -908,6 +927,9 @@ class PipelineExecutable:
       if kind == capture.GRAD:
         pos = loss.num_consts + i - 1 - num_aux
         v = jaxpr.invars[pos]
+        if pos in self._frozen:  # nothing reads it
+          results.append(None)
+          continue
         results.append(grads[pos] if pos in grads
                        else move(np.zeros(v.aval.shape, v.aval.dtype), home[pos]))
         continue
