@@ -107,14 +107,37 @@ def test_an_argmax_over_a_split_dim_gathers_the_candidates():
       logits = state.apply_fn(params, batch["x"])
       loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
       return loss, (logits.argmax(-1) == batch["labels"]).mean()
-    (loss, accuracy), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    (loss, accuracy), grads = jd.value_and_grad(loss_fn, has_aux=True)(state.params)
     return state.apply_gradients(grads=grads), {"loss": loss, "accuracy": accuracy}
 
   mesh = jd.LogicalMesh((2, 4), axis_names=("data", "model"), **UNIT)
   option = jd.AutoShardingOption(partition_constraints={"*Dense_2*kernel*": P(None, "model")})
-  exe = jd.parallelize(step, method=jd.ShardParallel(devices=mesh, auto_sharding_option=option)
-                       ).get_executable(state, {"x": data["x"], "labels": labels})
+  exe = jd.parallelize(step, method=jd.ShardParallel(
+      devices=mesh, auto_sharding_option=option)).get_executable(
+          state, {"x": data["x"], "labels": labels})
   assert exe.communication()["all-gather"].count >= 2
+  _assert_predicted_as_compiled(exe)
+
+
+class _TiedLM(nn.Module):
+  @nn.compact
+  def __call__(self, tokens):
+    table = nn.Embed(512, 128)
+    x = table(tokens)
+    for _ in range(2):
+      x = x + nn.Dense(128)(nn.gelu(nn.Dense(512)(nn.LayerNorm()(x))))
+    return table.attend(nn.LayerNorm()(x))
+
+
+def test_a_parameter_resharded_in_the_micro_batch_loop_moves_once():
+  """The plan reshards the tied embedding table for its lookup inside the gradient part;
+  the table is the same in every micro-batch, so XLA hoists that all-gather out of the
+  loop. The prediction counted it once per micro-batch (8 all-gathers against 7)."""
+  batch = models.token_batch(16, models.GPTConfig(vocab=512, seq_len=32))
+  state = models.create_state(_TiedLM(), batch["tokens"][:, :-1], tx=optax.sgd(0.1))
+  exe = jd.parallelize(models.lm_step(jd.value_and_grad), method=jd.ShardParallel(
+      devices=_mesh((2, 4), {}), num_micro_batches=2)).get_executable(state, batch)
+  assert exe.communication()["all-gather"].count > 0
   _assert_predicted_as_compiled(exe)
 
 

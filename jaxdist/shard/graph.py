@@ -89,11 +89,13 @@ class StrategyGraph:
   flows: list = dataclasses.field(default_factory=list)
   combine: object = None
 
-  def collectives(self, choice, cost_model: CostModel) -> list[tuple[int, tuple[str, tuple, float]]]:
+  def collectives(self, choice, cost_model: CostModel,
+                  at_source=lambda node: False) -> list[tuple[int, tuple[str, tuple, float]]]:
     """Every collective the plan ``choice`` has before XLA combines any, as (node, (kind,
     axes, per-device bytes)): a node's own, then the resharding into it (``node`` is the
-    consumer) or, for a tied output, into the input it updates. A value resharded to the
-    same spec for several consumers counts once (XLA computes it once)."""
+    consumer) or, for a tied output or a source where ``at_source(source)``, the node of
+    the value moved. A value resharded to the same spec for several consumers counts once
+    (XLA computes it once)."""
     out = []
     for k, node in enumerate(self.nodes):
       out += [(k, c) for c in node.strategies[choice[node.group]].collectives]
@@ -104,7 +106,7 @@ class StrategyGraph:
       if want is None or (flow.src, flow.pos, want, flow.tied) in done:
         continue
       done.add((flow.src, flow.pos, want, flow.tied))
-      where = flow.src if flow.tied else flow.dst
+      where = flow.src if flow.tied or at_source(flow.src) else flow.dst
       out += [(where, c) for c in cost_model.reshard_collectives(have, want, flow.full_bytes)]
     return out
 

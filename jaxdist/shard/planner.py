@@ -456,9 +456,15 @@ def _micro_batch_predictions(step: TracedStep, plan: MeshPlan, layout: Layout, k
     here = kept(node)
     return tuple(a for a in axes if a in here)
 
+  # A value that no batch input reaches (a parameter) is the same in every iteration:
+  # XLA hoists its resharding out of the loop, so it runs once.
+  batch_mask = sum(1 << i for i, leaf in enumerate(step.inputs) if leaf.role == BATCH)
+  values = list(graph.producer)
+  varies = {graph.producer[v][0] for v, d in zip(
+      values, jaxpr_util.dependencies(jaxpr, len(step.inputs), values)) if d & batch_mask}
   predicted = combine.predict(
       graph, choice, cost_model, repeat=lambda node, kind, axes: k if inside(node) else 1,
-      axes_of=axes_of)
+      axes_of=axes_of, at_source=lambda node: node not in varies)
   reductions = {}
   producer = {id(o): i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
   for v, spec in zip(marker.invars, layout.grad_reduce_specs):
