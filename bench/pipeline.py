@@ -36,6 +36,14 @@ BATCH = 32
 ROUNDS = 12
 
 
+def timed_step(steps, states, key, batch) -> float:
+  """Runs one step of ``steps[key]`` on ``states[key]`` (which it updates); its seconds."""
+  start = time.perf_counter()
+  states[key], metrics = steps[key](states[key], batch)
+  jax.block_until_ready(metrics)
+  return time.perf_counter() - start
+
+
 def main():
   batch = models.token_batch(BATCH, CONFIG)
   make = lambda: models.create_state(models.GPT(CONFIG), batch["tokens"][:, :-1],
@@ -63,10 +71,7 @@ def main():
   overhead = []
   for _ in range(ROUNDS):
     for name in methods:
-      start = time.perf_counter()
-      states[name], metrics = steps[name](states[name], batch)
-      jax.block_until_ready(metrics)
-      times[name].append(time.perf_counter() - start)
+      times[name].append(timed_step(steps, states, name, batch))
       exe = steps[name].get_executable(states[name], batch)
       if hasattr(exe, "stages"):  # the MPMD driver's statistics of the step just run
         stats = exe.stats
@@ -155,10 +160,7 @@ def sweep():
   driver = {key: [] for key in methods}
   for _ in range(SWEEP_ROUNDS):
     for key in methods:
-      start = time.perf_counter()
-      states[key], metrics = steps[key](states[key], batch)
-      jax.block_until_ready(metrics)
-      times[key].append(time.perf_counter() - start)
+      times[key].append(timed_step(steps, states, key, batch))
       if key[0] == "mpmd":  # the driver's own Python per stage program
         stats = exes[key].stats
         driver[key].append((stats["dispatch_s"] - stats["call_s"] - stats["move_s"])
@@ -167,8 +169,7 @@ def sweep():
   for key in methods:
     if key[0] == "mpmd":
       exes[key].record_timeline = True
-      states[key], metrics = steps[key](states[key], batch)
-      jax.block_until_ready(metrics)
+      timed_step(steps, states, key, batch)
       spans[key] = exes[key].stats["timeline"]
   base = statistics.median(times["ShardParallel", 1, 1])
   print(f"\nGPT width {SWEEP.width}, {SWEEP.depth} blocks, seq {SWEEP.seq_len}, batch {BATCH}, "
