@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import queue
-import sys
 import threading
 import time
 
@@ -48,9 +47,6 @@ class Recorder:
     self._ready: dict[int, float] = {}
     self._seen = threading.Condition()
     self._queues = [queue.SimpleQueue() for _ in range(num_groups)]
-    # The waiting threads must see a result soon after it is ready, not a GIL slice later.
-    self._interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
     self._threads = [threading.Thread(target=self._wait, args=(q,), daemon=True)
                      for q in self._queues]
     for t in self._threads:
@@ -81,7 +77,6 @@ class Recorder:
       q.put(None)
     for t in self._threads:
       t.join()
-    sys.setswitchinterval(self._interval)
     done: dict[tuple[str, int, int], float] = {}
     group_free: dict[int, float] = {}
     out = []
