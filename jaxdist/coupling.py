@@ -106,13 +106,12 @@ def loss_normalizer(jaxpr, marker_index: int, params: set):
   return normalizer_of(jaxpr.eqns[:marker_index], values[0], params) if len(values) == 1 else None
 
 
-def padding_guard(division: int | None):
-  """A ``before`` hook for ``jaxpr_util.eval_eqns`` that takes the divisor of equation
-  ``division`` (a token-weighted loss's ``n / d``) as 1 where it is 0: a share of the
-  batch that is padding only (``n = d = 0``) then adds a loss and gradients of 0 instead
-  of 0 / 0. None without a division."""
-  if division is None:
-    return None
+def padding_guard(jaxpr):
+  """A ``before`` hook for ``jaxpr_util.eval_eqns`` on a loss ``jaxpr`` whose value is a
+  token-weighted ``n / d`` (:func:`normalizer_of`): the division takes a ``d`` of 0 as 1,
+  so a share of the batch that is padding only (``n = d = 0``) adds a loss and gradients
+  of 0 instead of 0 / 0."""
+  division = next(i for i, e in enumerate(jaxpr.eqns) if jaxpr.outvars[0] in e.outvars)
 
   def guard(i, operands):
     if i != division:

@@ -14,9 +14,9 @@ Calls (``pjit``, ``custom_jvp_call``, ``custom_vjp_call``, ``remat``) are walked
 in place; a loop (``scan``, ``while``) or ``cond`` adds its body's own peak while it runs,
 with each iteration's values at their per-iteration size.
 
-XLA:CPU has no 16-bit float arithmetic: it rounds each bf16 / f16 result and keeps it
-in f32 (``convert(convert(x))`` pairs in the optimized module), so on that backend such a
-buffer takes twice its dtype's bytes (``platform="cpu"``).
+XLA:CPU stores the bf16 / f16 values it writes between fusions as f32, rounded (the
+optimized module's ``convert(convert(x))`` pairs and f32 fusion outputs), so on that
+backend such a buffer takes twice its dtype's bytes (``platform="cpu"``).
 """
 
 from __future__ import annotations

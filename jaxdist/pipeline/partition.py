@@ -254,13 +254,13 @@ def build_stages(method: m.PipeshardParallel, loss: capture.CapturedLoss, lmesh:
   return stages, starts, predicted
 
 
-def stage_functions(loss: capture.CapturedLoss, stage: Stage, zero_divisor_eqn: int | None = None,
+def stage_functions(loss: capture.CapturedLoss, stage: Stage, token_weighted: bool = False,
                     frozen: frozenset = frozenset()):
   """The stage's forward and backward on its operands and activations, and the positions
   of its differentiated operands and float activations in and out.
 
-  ``zero_divisor_eqn``: a token-weighted loss's division ``n / d``, guarded by
-  ``coupling.padding_guard`` (a micro-batch of padding only adds 0, not 0 / 0).
+  ``token_weighted``: the loss is ``n / d`` (``coupling.normalizer_of``); its division is
+  guarded by ``coupling.padding_guard`` (a micro-batch of padding only adds 0, not 0 / 0).
   ``frozen``: loss operand positions not differentiated (gradients nothing reads).
   """
   jaxpr = loss.closed.jaxpr
@@ -270,7 +270,7 @@ def stage_functions(loss: capture.CapturedLoss, stage: Stage, zero_divisor_eqn: 
   float_in = [p for p, v in enumerate(stage.acts_in) if _is_float(v.aval)]
   float_out = [p for p, v in enumerate(stage.acts_out) if _is_float(v.aval)]
 
-  guard = coupling.padding_guard(zero_divisor_eqn)
+  guard = coupling.padding_guard(jaxpr) if token_weighted else None
 
   def forward(operands, acts_in):
     env = dict(zip(operand_vars, operands))

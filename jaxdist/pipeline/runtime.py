@@ -643,11 +643,8 @@ class PipelineExecutable:
     """The stage's backward and forward (or None) programs, traced
     (``stage_shard.program_step``)."""
     loss_jaxpr = self._loss.closed.jaxpr
-    guard = None
-    if self._normalizer is not None:  # the division n / d: a micro-batch of padding only
-      guard = next(i for i, e in enumerate(loss_jaxpr.eqns) if loss_jaxpr.outvars[0] in e.outvars)
-    forward, backward, diff, float_in, float_out = stage_functions(self._loss, stage, guard,
-                                                                   self._frozen)
+    forward, backward, diff, float_in, float_out = stage_functions(
+        self._loss, stage, self._normalizer is not None, self._frozen)
     stage.diff, stage.float_in, stage.float_out = diff, float_in, float_out
     aval = lambda v: jax.ShapeDtypeStruct(tuple(v.aval.shape), v.aval.dtype)
     ops = [aval(loss_jaxpr.invars[p]) for p in stage.operands]

@@ -307,10 +307,8 @@ class _Pipeline:
     jaxpr, loc = self.loss_local, self.loss_corr
     env = dict(zip([loc[x] for x in self.stack.carry_out], carry_out))
     env.update(zip([loc[x] for x in self.head_inputs], head_inputs))
-    division = None if self.normalizer is None else next(
-        i for i, e in enumerate(jaxpr.eqns) if jaxpr.outvars[0] in e.outvars)
-    jaxpr_util.eval_eqns(jaxpr, env, range(self.stack.end, len(jaxpr.eqns)),
-                         before=coupling.padding_guard(division))
+    guard = None if self.normalizer is None else coupling.padding_guard(jaxpr)
+    jaxpr_util.eval_eqns(jaxpr, env, range(self.stack.end, len(jaxpr.eqns)), before=guard)
     return [jaxpr_util.read(env, x) for x in jaxpr.outvars]
 
   def count(self, head_inputs):
