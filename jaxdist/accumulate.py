@@ -27,7 +27,6 @@ equation. Without batch axes (a plan that does not split the batch) there is no
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import warnings
 
@@ -99,18 +98,6 @@ def split_at_marker(step: TracedStep) -> GradSplit:
                    tuple(jaxpr_util.free_invars(grad_closed.jaxpr, grad_eqns)))
 
 
-def align(full_eqns, micro_eqns) -> dict[int, int]:
-  """Micro-batch equation index → the planned (full-batch) equation it runs: the two
-  traces are the same code at two batch sizes, aligned by their primitive sequence (jax
-  special-cases a size-1 dimension, a broadcast more or less; those stay unmatched)."""
-  matcher = difflib.SequenceMatcher(None, [e.primitive.name for e in full_eqns],
-                                    [e.primitive.name for e in micro_eqns], autojunk=False)
-  to_full = {}
-  for a, b, n in matcher.get_matching_blocks():
-    to_full.update(zip(range(b, b + n), range(a, a + n)))
-  return to_full
-
-
 def local_constraints(step: TracedStep, split: GradSplit, eqn_constraints: dict,
                       batch_axes: tuple[str, ...], axis_sizes: dict[str, int],
                       operands: bool = False) -> dict:
@@ -125,7 +112,7 @@ def local_constraints(step: TracedStep, split: GradSplit, eqn_constraints: dict,
   With ``operands`` the specs are per operand (None: unconstrained) instead of per output.
   """
   full, micro = step.closed_jaxpr.jaxpr.eqns, split.grad_jaxpr.jaxpr.eqns
-  to_full = align(full, micro)
+  to_full = jaxpr_util.align(micro, full)
   out = {}
   for i in split.grad_eqns:
     j = to_full.get(i)
@@ -301,39 +288,16 @@ def random_bits_hooks(step: TracedStep, split: GradSplit, axes, num_shards: int,
   and micro-batch would draw the first rows' bits for its own rows. ``micro_index()`` is
   the micro-batch being evaluated (a tracer inside the loop). The given hooks run too."""
   full_eqns, micro_eqns = step.closed_jaxpr.jaxpr.eqns, split.grad_jaxpr.jaxpr.eqns
-  to_full = align(full_eqns, micro_eqns)
-  rows = {}  # micro-batch equation -> (dimension, full-batch shape)
-  for i in split.grad_eqns:
-    j = to_full.get(i)
-    if micro_eqns[i].primitive.name != "random_bits" or j is None:
-      continue
-    small, big = micro_eqns[i].params["shape"], full_eqns[j].params["shape"]
-    differ = [d for d, (a, b) in enumerate(zip(small, big)) if a != b]
-    if (len(small) == len(big) and len(differ) == 1
-        and big[differ[0]] == small[differ[0]] * num_shards * k):
-      rows[i] = (differ[0], tuple(big))
-  if not rows:
+  draws = rng.partial_draws(micro_eqns, full_eqns, jaxpr_util.align(micro_eqns, full_eqns),
+                            split.grad_eqns, num_shards * k)
+  if not draws:
     return before, after
-  keys = {}
 
-  def keep_key(i, invals):
-    if before is not None:
-      invals = before(i, invals)
-    if i in rows:
-      keys[i] = invals[0]
-    return invals
+  def part():  # this device's micro-batch
+    device = jax.lax.axis_index(axes) if axes is not None else 0
+    return device * k + micro_index()
 
-  def draw_rows(i, outs):
-    if i in rows:
-      key, (dim, shape), width = keys.pop(i), rows[i], micro_eqns[i].params["bit_width"]
-      if rng.supported(key, width, shape):
-        size = micro_eqns[i].params["shape"][dim]
-        device = jax.lax.axis_index(axes) if axes is not None else 0
-        offset = (device * k + micro_index()) * size  # this device's micro-batch rows
-        outs = [rng.rows(key, width, shape, dim, size, offset)]
-    return after(i, outs) if after is not None else outs
-
-  return keep_key, draw_rows
+  return rng.row_hooks(micro_eqns, draws, part, before, after)
 
 
 def streaming_hooks(jaxpr, streamed: dict, axes, before=None, after=None):

@@ -32,7 +32,7 @@ import jax.extend.core as jex
 from jaxdist import calibration
 from jaxdist import jaxpr_util
 from jaxdist import methods as m
-from jaxdist.accumulate import align, split_at_marker
+from jaxdist.accumulate import split_at_marker
 from jaxdist.grad import GRAD
 from jaxdist.liveness import Timeline
 from jaxdist.mesh import LogicalMesh, device_costs
@@ -540,7 +540,7 @@ def _micro_sizes(planned):
   full = result.step.closed_jaxpr.jaxpr
   micro = planned.step.micro_jaxpr.jaxpr
   pairs = list(zip(full.invars, micro.invars))
-  for j, i in align(full.eqns, micro.eqns).items():
+  for j, i in jaxpr_util.align(micro.eqns, full.eqns).items():
     pairs += zip(full.eqns[i].outvars, micro.eqns[j].outvars)
   shards = {mv: num_shards(graph.spec_of(fv, choice), sizes)
             for fv, mv in pairs if fv in graph.producer}

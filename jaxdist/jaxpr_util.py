@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -81,7 +82,7 @@ def eval_eqns(jaxpr, env: dict, eqn_ids: Iterable[int] | None = None,
       invals = [read(env, v) for v in eqn.invars]
       if before is not None:
         invals = before(i, invals)
-      sub = _call_body(eqn) if eqn.primitive.name in inline else None
+      sub = call_body(eqn) if eqn.primitive.name in inline else None
       if eqn.primitive.name in inline and eqn.primitive.name == IDENTITY_MARKER:
         outs = list(invals)
       elif sub is not None:
@@ -141,7 +142,8 @@ def operand_hook(mesh, operand_constraints: dict) -> Callable:
   return before
 
 
-def _call_body(eqn):
+def call_body(eqn) -> jex.ClosedJaxpr | None:
+  """The body of a call-like equation (jit, remat, custom_vjp, ...) as a closed jaxpr."""
   body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
   if isinstance(body, jex.ClosedJaxpr):
     return body
@@ -188,7 +190,7 @@ def _inline(closed: jex.ClosedJaxpr, primitives: Sequence[str], deep: bool) -> j
     for eqn in jaxpr.eqns:
       invars = [v if isinstance(v, jex.Literal) else sub.get(v, v) for v in eqn.invars]
       name = eqn.primitive.name
-      body = _call_body(eqn) if name in primitives else None
+      body = call_body(eqn) if name in primitives else None
       if name in primitives and name == IDENTITY_MARKER:
         sub.update((o, i) for o, i in zip(eqn.outvars, invars))
       elif body is not None:
@@ -515,11 +517,13 @@ def find_eqns(jaxpr, primitive_name: str) -> list[int]:
   return [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == primitive_name]
 
 
-def count_primitive(jaxpr, primitive_name: str) -> int:
-  """How often ``primitive_name`` occurs, sub-jaxprs included."""
+def count_primitive(jaxpr, primitive_name: str, eqn_ids: Iterable[int] | None = None) -> int:
+  """How often ``primitive_name`` occurs (in the equations ``eqn_ids``, default all),
+  sub-jaxprs included."""
+  eqns = jaxpr.eqns if eqn_ids is None else [jaxpr.eqns[i] for i in eqn_ids]
   return sum((eqn.primitive.name == primitive_name)
              + sum(count_primitive(sub, primitive_name) for sub in jex.jaxprs_in_params(eqn.params))
-             for eqn in jaxpr.eqns)
+             for eqn in eqns)
 
 
 def output_dependencies(jaxpr, num_inputs: int) -> list[int]:
@@ -559,3 +563,15 @@ def _propagate(jaxpr, deps: dict) -> list[int]:
     for v, d in zip(eqn.outvars, out_deps):
       deps[v] = d
   return [get(v) for v in jaxpr.outvars]
+
+
+def align(eqns, other_eqns) -> dict[int, int]:
+  """Equation index in ``eqns`` → its counterpart in ``other_eqns``: the same code traced
+  at two batch sizes, aligned by the primitive sequence (jax special-cases a size-1
+  dimension, a broadcast more or less; those stay unmatched)."""
+  matcher = difflib.SequenceMatcher(None, [e.primitive.name for e in eqns],
+                                    [e.primitive.name for e in other_eqns], autojunk=False)
+  out = {}
+  for a, b, n in matcher.get_matching_blocks():
+    out.update(zip(range(a, a + n), range(b, b + n)))
+  return out

@@ -169,7 +169,7 @@ def _linear(jaxpr) -> tuple[list[tuple], dict]:
     for eqn in jx.eqns:
       ins = [rename.get(v, v) for v in eqn.invars if not isinstance(v, jex.Literal)]
       if eqn.primitive.name in CALLS:
-        body = jaxpr_util._call_body(eqn) or _first_body(eqn)
+        body = jaxpr_util.call_body(eqn) or _first_body(eqn)
         if body is not None and len(body.jaxpr.invars) == len(eqn.invars):
           inner = {}
           for bv, v in zip(body.jaxpr.invars, eqn.invars):

@@ -12,11 +12,14 @@ those (the same counters, offset), so dropout masks equal the single-device step
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.extend.random import threefry2x32_p
+
+from jaxdist import jaxpr_util
 
 _UINT = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32}
 
@@ -41,3 +44,86 @@ def rows(key, bit_width: int, full_shape: tuple[int, ...], dim: int, size: int, 
   k1, k2 = (jnp.broadcast_to(data[j], shape) for j in (0, 1))
   bits1, bits2 = threefry2x32_p.bind(k1, k2, jnp.zeros(shape, jnp.uint32), index)
   return (bits1 ^ bits2).astype(_UINT[bit_width])
+
+
+def partial_draws(eqns, full_eqns, to_full: dict[int, int], ids, parts: int) -> dict:
+  """The ``random_bits`` equations among ``eqns[ids]`` that draw ``1 / parts`` of their
+  counterpart in ``full_eqns`` (``to_full``: index → counterpart) on one dimension: the
+  same code traced at a part of the batch. Returns index → (that dimension, full shape),
+  or, for a call or a rematerialized block (``nn.remat``) drawing inside, index → the
+  draws of its body (this dict again)."""
+  draws = {}
+  for i in ids:
+    j = to_full.get(i)
+    if j is None or eqns[i].primitive.name != full_eqns[j].primitive.name:
+      continue
+    if eqns[i].primitive.name == "random_bits":
+      small, big = eqns[i].params["shape"], full_eqns[j].params["shape"]
+      differ = [d for d, (a, b) in enumerate(zip(small, big)) if a != b]
+      if (len(small) == len(big) and len(differ) == 1
+          and big[differ[0]] == small[differ[0]] * parts):
+        draws[i] = (differ[0], tuple(big))
+    elif eqns[i].primitive.name in _BODIES:
+      body, full_body = (jaxpr_util.call_body(e).jaxpr for e in (eqns[i], full_eqns[j]))
+      inner = partial_draws(body.eqns, full_body.eqns, jaxpr_util.align(body.eqns, full_body.eqns),
+                            range(len(body.eqns)), parts)
+      if inner:
+        draws[i] = inner
+  return draws
+
+
+def count(draws: dict) -> int:
+  """How many random_bits equations ``draws`` (:func:`partial_draws`) holds."""
+  return sum(count(d) if isinstance(d, dict) else 1 for d in draws.values())
+
+
+# Calls whose bodies may draw: jit-like calls are evaluated inline, a rematerialized block
+# again as one (``jax.checkpoint`` with its policy), so it is still recomputed.
+_BODIES = frozenset(jaxpr_util.CALLS) | {"remat2"}
+
+
+def row_hooks(eqns, draws: dict, part: Callable, before=None, after=None):
+  """``before`` / ``after`` hooks for ``jaxpr_util.eval_eqns`` that make each of
+  ``draws`` (:func:`partial_draws`) draw part ``part()`` (a tracer is fine) of the whole
+  batch's bits: its rows ``[part() · size, (part() + 1) · size)``. A call drawing inside
+  is evaluated again with its body's draws so (XLA drops the first evaluation, unused). A
+  draw this module cannot reproduce (another key type) keeps its own bits. The given
+  hooks run too (``before`` first, ``after`` last)."""
+  operands = {}
+
+  def keep_operands(i, invals):
+    if before is not None:
+      invals = before(i, invals)
+    if i in draws:
+      operands[i] = invals
+    return invals
+
+  def draw_rows(i, outs):
+    if i in draws:
+      invals, eqn = operands.pop(i), eqns[i]
+      if isinstance(draws[i], dict):
+        outs = _call_with_rows(eqn, invals, draws[i], part)
+      else:
+        (dim, shape), width = draws[i], eqn.params["bit_width"]
+        if supported(invals[0], width, shape):
+          size = eqn.params["shape"][dim]
+          outs = [rows(invals[0], width, shape, dim, size, part() * size)]
+    return after(i, outs) if after is not None else outs
+
+  return keep_operands, draw_rows
+
+
+def _call_with_rows(eqn, invals, draws: dict, part: Callable) -> list:
+  body = jaxpr_util.call_body(eqn)
+
+  def evaluate(*args):
+    env = dict(zip(body.jaxpr.constvars, body.consts))
+    env.update(zip(body.jaxpr.invars, args))
+    before, after = row_hooks(body.jaxpr.eqns, draws, part)
+    jaxpr_util.eval_eqns(body.jaxpr, env, before=before, after=after)
+    return [jaxpr_util.read(env, v) for v in body.jaxpr.outvars]
+
+  if eqn.primitive.name == "remat2":
+    evaluate = jax.checkpoint(evaluate, prevent_cse=eqn.params["prevent_cse"],
+                              policy=eqn.params["policy"])
+  return list(evaluate(*invals))

@@ -257,27 +257,47 @@ def test_token_weighted_losses_and_clipping_match_serial(method):
   assert sum(len(st.diff) for st in exe.stages) == len(trained)
 
 
-def test_dropout_in_a_pipeline_is_noted():
-  """Pipelines do not yet draw each micro-batch's rows of the whole batch's dropout
-  masks (accumulation does): the plan says so."""
+class _DenseDropout(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dropout(0.3, deterministic=False)(nn.Dense(32)(x))
+
+
+@pytest.mark.parametrize("option", [None, jd.AutoShardingOption(force_zero_stage_3=True)],
+                         ids=["per-device", "sharded"])
+def test_dropout_masks_in_a_pipeline_are_the_full_batch_steps(option):
+  """Each micro-batch (and each device of a per-device stage) draws its rows of the whole
+  batch's dropout masks, also inside a rematerialized block, so two steps equal the
+  single-device step's; before, every micro-batch drew the same masks."""
   model = nn.Sequential([nn.Dense(32), lambda x: nn.Dropout(0.5, deterministic=False)(x),
-                         nn.Dense(32), nn.Dense(8)])
+                         nn.remat(_DenseDropout)(), nn.Dense(8)])
   data = models.regression_batch(16, 8)
   key = jax.random.key(0)
   state = train_state.TrainState.create(
       apply_fn=model.apply, params=model.init({"params": key, "dropout": key}, data["x"]),
       tx=optax.sgd(0.1))
 
-  def step(state, batch):
-    def loss_fn(params):
-      out = state.apply_fn(params, batch["x"], rngs={"dropout": jax.random.key(1)})
-      return jnp.mean((out - batch["y"]) ** 2)
-    loss, grads = jd.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), loss
+  def step_fn(value_and_grad):
+    def step(state, batch):
+      rngs = {"dropout": jax.random.fold_in(jax.random.key(1), state.step)}
+      def loss_fn(params):
+        return jnp.mean((state.apply_fn(params, batch["x"], rngs=rngs) - batch["y"]) ** 2)
+      loss, grads = value_and_grad(loss_fn)(state.params)
+      return state.apply_gradients(grads=grads), loss
+    return step
 
-  exe = jd.parallelize(step, method=jd.PipeshardParallel(
-      num_micro_batches=2, layer_option=jd.AutoLayerOption(layer_num=2))).get_executable(state, data)
-  assert any("every micro-batch draws the same masks" in n for n in exe.plan.notes), exe.plan.notes
+  serial = jax.jit(step_fn(jax.value_and_grad))
+  s1, l1 = serial(state, data)
+  expected = to_host((l1, serial(s1, data)))
+  step = jd.parallelize(step_fn(jd.value_and_grad), method=jd.PipeshardParallel(
+      num_micro_batches=2, layer_option=jd.AutoLayerOption(layer_num=2),
+      default_auto_sharding_option=option))
+  p1, n1 = step(state, data)
+  assert_trees_close(to_host((n1, step(p1, data))), expected, rtol=1e-5, atol=1e-6)
+  exe = step.get_executable(p1, data)
+  per_device = ["per device" in st.note for st in exe.stages]
+  assert per_device == [option is None] * 2, [st.note for st in exe.stages]
+  assert not any("same bits" in n for n in exe.plan.notes), exe.plan.notes
 
 
 def test_each_stage_is_shard_parallel_on_its_sub_mesh():

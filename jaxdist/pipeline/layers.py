@@ -302,7 +302,7 @@ def _eval_hoisting(jaxpr, env) -> None:
   for eqn in jaxpr.eqns:
     invals = [jaxpr_util.read(env, v) for v in eqn.invars]
     name = eqn.primitive.name
-    sub = jaxpr_util._call_body(eqn) if name in jaxpr_util.CALLS else None
+    sub = jaxpr_util.call_body(eqn) if name in jaxpr_util.CALLS else None
     if sub is not None and _has_boundary(sub.jaxpr):
       inner = dict(zip(sub.jaxpr.constvars, sub.consts))
       inner.update(zip(sub.jaxpr.invars, invals))

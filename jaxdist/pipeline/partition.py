@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Callable
 
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
 
 from jaxdist import coupling, errors
-from jaxdist import jaxpr_util
+from jaxdist import jaxpr_util, rng
 from jaxdist import methods as m
 from jaxdist.mesh import LogicalMesh
 from jaxdist.pipeline import capture, layers as layers_mod
@@ -52,6 +53,10 @@ class Stage:
     float_in, float_out: positions of float activations in and out (those with
       cotangents).
     backward_plan: the shard planner's result for the backward program (set when planned).
+    draws: its ``random_bits`` equations (dropout masks) that draw part of the whole
+      batch's bits (``rng.partial_draws``): equation → (dimension, whole-batch shape).
+    index_aval: where its programs take the micro-batch index as their last operand (the
+      part of the whole batch's bits they draw), or None: programs take none.
   """
 
   layers: tuple[int, int]
@@ -77,13 +82,16 @@ class Stage:
   float_in: list = dataclasses.field(default_factory=list)
   float_out: list = dataclasses.field(default_factory=list)
   backward_plan: object = None
+  draws: dict = dataclasses.field(default_factory=dict)
+  index_aval: object = None
 
-  def run_forward(self, operands, acts_in) -> list:
-    return list(self.forward(*operands, *acts_in))
+  def run_forward(self, operands, acts_in, index=()) -> list:
+    """``index``: ``[micro-batch index]`` if ``index_aval`` is set, else empty."""
+    return list(self.forward(*operands, *acts_in, *index))
 
-  def run_backward(self, operands, acts_in, cotangents, accumulated):
+  def run_backward(self, operands, acts_in, cotangents, accumulated, index=()):
     """(the accumulator plus this micro-batch's gradients, cotangents of acts_in)."""
-    outs = self.backward(*operands, *acts_in, *cotangents, *accumulated)
+    outs = self.backward(*operands, *acts_in, *cotangents, *accumulated, *index)
     return list(outs[:len(self.diff)]), list(outs[len(self.diff):])
 
 
@@ -255,9 +263,13 @@ def build_stages(method: m.PipeshardParallel, loss: capture.CapturedLoss, lmesh:
 
 
 def stage_functions(loss: capture.CapturedLoss, stage: Stage, token_weighted: bool = False,
-                    frozen: frozenset = frozenset()):
+                    frozen: frozenset = frozenset(), part: Callable = lambda index: index):
   """The stage's forward and backward on its operands and activations, and the positions
   of its differentiated operands and float activations in and out.
+
+  Both take the micro-batch ``index`` last (None: the stage draws nothing): each of the
+  stage's ``draws`` then draws part ``part(index)`` of the whole batch's bits (the
+  dropout masks of those rows in the single-device step).
 
   ``token_weighted``: the loss is ``n / d`` (``coupling.normalizer_of``); its division is
   guarded by ``coupling.padding_guard`` (a micro-batch of padding only adds 0, not 0 / 0).
@@ -272,13 +284,16 @@ def stage_functions(loss: capture.CapturedLoss, stage: Stage, token_weighted: bo
 
   guard = coupling.padding_guard(jaxpr) if token_weighted else None
 
-  def forward(operands, acts_in):
+  def forward(operands, acts_in, index=None):
     env = dict(zip(operand_vars, operands))
     env.update(zip(stage.acts_in, acts_in))
-    jaxpr_util.eval_eqns(jaxpr, env, stage.eqns, before=guard)
+    before, after = guard, None
+    if stage.draws and index is not None:
+      before, after = rng.row_hooks(jaxpr.eqns, stage.draws, lambda: part(index), before)
+    jaxpr_util.eval_eqns(jaxpr, env, stage.eqns, before=before, after=after)
     return [env[v] for v in stage.acts_out]
 
-  def backward(operands, acts_in, cotangents, accumulated):
+  def backward(operands, acts_in, cotangents, accumulated, index=None):
     """Adds this micro-batch's gradients to ``accumulated`` (donated by the caller)."""
     def differentiable(diff_ops, float_acts):
       ops, acts = list(operands), list(acts_in)
@@ -286,7 +301,7 @@ def stage_functions(loss: capture.CapturedLoss, stage: Stage, token_weighted: bo
         ops[p] = x
       for p, x in zip(float_in, float_acts):
         acts[p] = x
-      outs = forward(ops, acts)
+      outs = forward(ops, acts, index)
       return [outs[p] for p in float_out]
 
     _, vjp = jax.vjp(differentiable, [operands[p] for p in diff], [acts_in[p] for p in float_in])

@@ -28,14 +28,13 @@ line up) keeps the stage on its shard plan, noted in the plan.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxdist import jaxpr_util
+from jaxdist import jaxpr_util, rng
 from jaxdist.pipeline import capture
 from jaxdist.pipeline.partition import Stage, stage_functions
 
@@ -59,17 +58,6 @@ class PerDeviceStage:
   acts_out: tuple
 
 
-def align(micro_jaxpr, device_jaxpr) -> dict[int, int]:
-  """Equation index in ``micro_jaxpr`` → its counterpart in ``device_jaxpr``."""
-  matcher = difflib.SequenceMatcher(None, [e.primitive.name for e in micro_jaxpr.eqns],
-                                    [e.primitive.name for e in device_jaxpr.eqns],
-                                    autojunk=False)
-  out = {}
-  for a, b, n in matcher.get_matching_blocks():
-    out.update(zip(range(a, a + n), range(b, b + n)))
-  return out
-
-
 def _kind(micro_var, device_var, n: int, from_batch: bool, is_output: bool):
   """(kind, split dim) of one crossing value, or None if it cannot cross per device."""
   shape, local = tuple(micro_var.aval.shape), tuple(device_var.aval.shape)
@@ -86,12 +74,16 @@ def _kind(micro_var, device_var, n: int, from_batch: bool, is_output: bool):
 
 
 def per_device_stage(loss: capture.CapturedLoss, device_loss: capture.CapturedLoss,
-                     stage: Stage, batch_operand, n: int) -> PerDeviceStage | str:
-  """The stage in ``device_loss`` (traced at 1/n of the micro-batch), or why not."""
+                     stage: Stage, batch_operand, n: int, whole=None,
+                     parts: int = 1) -> PerDeviceStage | str:
+  """The stage in ``device_loss`` (traced at 1/n of the micro-batch), or why not.
+
+  ``whole``: the loss jaxpr traced at the whole batch, of which each device's micro-batch
+  is one of ``parts``: the stage's random draws are found against it."""
   jm, jd = loss.closed.jaxpr, device_loss.closed.jaxpr
   if len(jm.invars) != len(jd.invars):
     return "the per-device trace has other loss inputs"
-  mapping = align(jm, jd)
+  mapping = jaxpr_util.align(jm.eqns, jd.eqns)
   if any(i not in mapping for i in stage.eqns):
     return "its equations do not line up with the per-device trace"
   ids = tuple(mapping[i] for i in stage.eqns)
@@ -133,8 +125,10 @@ def per_device_stage(loss: capture.CapturedLoss, device_loss: capture.CapturedLo
       return "a value it exchanges is computed from the batch but keeps its shape"
   if any(k[0] == LOSS_OUTPUT for k in kinds["acts_in"]):
     return "it reads a loss output"
+  draws = {} if whole is None else rng.partial_draws(
+      jd.eqns, whole.eqns, jaxpr_util.align(jd.eqns, whole.eqns), ids, parts)
   device_stage = dataclasses.replace(stage, eqns=ids, acts_in=tuple(acts_in),
-                                     acts_out=tuple(acts_out))
+                                     acts_out=tuple(acts_out), draws=draws)
   return PerDeviceStage(device_loss, device_stage, kinds["operands"], kinds["acts_in"],
                         kinds["acts_out"])
 
@@ -145,23 +139,26 @@ def _spec(kind, axes) -> PartitionSpec:
   return PartitionSpec(*([None] * kind[1]), axes)
 
 
-def programs(pd: PerDeviceStage, mesh, frozen: frozenset = frozenset()):
+def programs(pd: PerDeviceStage, mesh, frozen: frozenset = frozenset(), indexed: bool = False):
   """The stage's forward and backward as functions of global values, per device inside.
 
   The backward's accumulator has a leading dimension of one row per device; ``frozen``:
-  loss operand positions not differentiated.
+  loss operand positions not differentiated. ``indexed``: both take a list holding the
+  micro-batch index last (device ``d`` of micro-batch ``b`` draws part ``b · n + d`` of
+  the whole batch's random bits); else an empty list.
   """
   axes = tuple(mesh.axis_names)
   n = mesh.devices.size
+  part = lambda index: index * n + jax.lax.axis_index(axes)
   forward, backward, diff, float_in, float_out = stage_functions(pd.loss, pd.stage,
-                                                                 frozen=frozen)
+                                                                 frozen=frozen, part=part)
   op_specs = [_spec(k, axes) for k in pd.operands]
   in_specs = [_spec(k, axes) for k in pd.acts_in]
   out_specs = [_spec(k, axes) for k in pd.acts_out]
   row = PartitionSpec(axes)
 
-  def local_forward(operands, acts_in):
-    outs = forward(operands, acts_in)
+  def local_forward(operands, acts_in, index):
+    outs = forward(operands, acts_in, *index)
     for p, kind in enumerate(pd.acts_out):
       if kind[0] == LOSS_OUTPUT:
         x = outs[p]
@@ -169,23 +166,25 @@ def programs(pd: PerDeviceStage, mesh, frozen: frozenset = frozenset()):
                    else jax.lax.psum(x, axes))
     return outs
 
-  def local_backward(operands, acts_in, cotangents, accumulated):
+  def local_backward(operands, acts_in, cotangents, accumulated, index):
     # A loss output is the mean of the devices' values, and a replicated output is
     # computed alike on every device whose gradient rows are summed: each device takes
     # its share of the cotangent.
     cotangents = [c if pd.acts_out[p][0] == SPLIT else c / n
                   for p, c in zip(float_out, cotangents)]
-    sums, act_cots = backward(operands, acts_in, cotangents, [a[0] for a in accumulated])
+    sums, act_cots = backward(operands, acts_in, cotangents, [a[0] for a in accumulated], *index)
     act_cots = [jax.lax.psum(c, axes) if pd.acts_in[p][0] == REPLICATED else c
                 for p, c in zip(float_in, act_cots)]
     return [s[None] for s in sums], act_cots
 
+  index_specs = [PartitionSpec()] if indexed else []
   mapped_forward = jax.shard_map(
-      local_forward, mesh=mesh, in_specs=(op_specs, in_specs), out_specs=out_specs,
+      local_forward, mesh=mesh, in_specs=(op_specs, in_specs, index_specs), out_specs=out_specs,
       check_vma=False)
   mapped_backward = jax.shard_map(
       local_backward, mesh=mesh,
-      in_specs=(op_specs, in_specs, [out_specs[p] for p in float_out], [row] * len(diff)),
+      in_specs=(op_specs, in_specs, [out_specs[p] for p in float_out], [row] * len(diff),
+                index_specs),
       out_specs=([row] * len(diff), [in_specs[p] for p in float_in]), check_vma=False)
   shardings = lambda specs: [NamedSharding(mesh, s) for s in specs]
   return (mapped_forward, mapped_backward, shardings(op_specs), shardings(in_specs),

@@ -56,7 +56,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdist import coupling, errors
 from jaxdist import inspect as hlo_inspect
-from jaxdist import jaxpr_util
+from jaxdist import jaxpr_util, rng
 from jaxdist import methods as m
 from jaxdist.executable import compile_layout, place, place_inputs
 from jaxdist.mesh import LogicalMesh
@@ -294,11 +294,20 @@ class PipelineExecutable:
     state_factor = 1 + state_bytes[OPTIMIZER] / max(state_bytes[PARAM], 1)
     option = self._option = method.default_auto_sharding_option or m.AutoShardingOption()
     stage_shard.check_constraints_used(option, self._operand_paths)
+    # Dropout: every stage program takes the micro-batch index, so that each micro-batch
+    # draws its rows of the whole batch's bits, as the single-device step does.
+    self._whole = eqn.params["loss"].closed.jaxpr
+    self._indexed = jaxpr_util.count_primitive(loss.closed.jaxpr, "random_bits") > 0
     self._cost_cache: dict = {}  # (devices, backward program text) -> ILP objective
     self._traced: dict = {}  # a layer's equations -> (its backward program, its text)
     self.stages, starts, predicted = build_stages(
         method, loss, lmesh, state_factor, functools.partial(self._program_cost, option))
     self._predicted = predicted
+    if self._indexed:
+      micro_eqns = loss.closed.jaxpr.eqns
+      to_whole = jaxpr_util.align(micro_eqns, self._whole.eqns)
+      for stage in self.stages:
+        stage.draws = rng.partial_draws(micro_eqns, self._whole.eqns, to_whole, stage.eqns, k)
     self.schedule: Schedule = make_schedule(method.pipeline_schedule, len(self.stages), k,
                                             method.virtual_stages)
     self._full = NamedSharding(lmesh.mesh, PartitionSpec())
@@ -331,8 +340,7 @@ class PipelineExecutable:
                f"schedule {self.schedule.name}: {self.schedule.num_clocks} clocks",
                *([] if predicted is None else [
                    f"auto stages: predicted {[f'{c:.3g}' for c in predicted.stage_costs]} s per "
-                   f"micro-batch, {predicted.step_time:.3g} s per step"]),
-               *self._random_bits_notes()))
+                   f"micro-batch, {predicted.step_time:.3g} s per step"])))
     costs = [sum(c for c in st.objectives if c is not None) for st in self.stages]
     self.auto_sharding_objective = sum(costs) + (k - 1) * max(costs)
     # In a multi-process job the small results that are not state (the loss, metrics,
@@ -590,19 +598,13 @@ class PipelineExecutable:
                         for x in xs]
     self._slicer = jax.jit(split, out_shardings=self._full).lower(avals).compile()
 
-  def _random_bits_notes(self) -> list[str]:
-    """A note when the loss draws random bits per example (dropout): each micro-batch
-    draws them at its own size from the same key, so every micro-batch gets the same
-    masks, not its rows of the whole batch's (as accumulation does)."""
-    loss = self._loss.closed.jaxpr
-    sizes = {loss.invars[p].aval.shape[0] for p, b in enumerate(self._batch_operand)
-             if b and loss.invars[p].aval.shape}
-    drawn = [e for e in loss.eqns if e.primitive.name == "random_bits"
-             and e.params["shape"] and e.params["shape"][0] in sizes]
-    return [f"{len(drawn)} random draw(s) per example in the loss (dropout): every micro-batch "
-            f"draws the same masks, not its rows of the whole batch's as the single-device "
-            f"step does (not done for pipelines yet)"] if drawn and (
-                self._k > 1 or any("per device" in st.note for st in self.stages)) else []
+  @staticmethod
+  def _own_bits(loss_jaxpr, stage: Stage) -> str:
+    """A note on the stage's random draws not found as part of a whole-batch draw (in a
+    scan, say): each draws the same bits in every micro-batch (empty if none)."""
+    own = jaxpr_util.count_primitive(loss_jaxpr, "random_bits", stage.eqns) - rng.count(stage.draws)
+    return (f"; {own} random draw(s) not matched to rows of a whole-batch draw draw the same "
+            f"bits in every micro-batch (right only for draws not per example)") if own else ""
 
   @functools.cached_property
   def _normalizer(self):
@@ -659,10 +661,16 @@ class PipelineExecutable:
              [f"{layers}: cotangent [{p}]" for p in range(len(cots))],
              [f"gradient of {self._operand_paths[stage.operands[p]]}" for p in diff]]
     before = len(ops) + len(acts_in) + len(cots)
-    return (stage_shard.program_step(backward, [ops, acts_in, cots, grads], roles, names,
+    # The micro-batch index, last (its draws' part of the whole batch's bits).
+    index = [[jax.ShapeDtypeStruct((), jnp.int32)]] if self._indexed else []
+    index_roles, index_names = [[INPUT]] * len(index), [["micro-batch index"]] * len(index)
+    with_index = lambda f: lambda *groups: f(*groups[:-1], *groups[-1]) if index else f(*groups)
+    return (stage_shard.program_step(with_index(backward), [ops, acts_in, cots, grads, *index],
+                                     roles + index_roles, names + index_names,
                                      tied={o: before + o for o in range(len(grads))},
                                      donated=frozenset(range(before, before + len(grads)))),
-            stage_shard.program_step(forward, [ops, acts_in], roles[:2], names[:2])
+            stage_shard.program_step(with_index(forward), [ops, acts_in, *index],
+                                     roles[:2] + index_roles, names[:2] + index_names)
             if with_forward else None)
 
   def _program_cost(self, option: m.AutoShardingOption, stage: Stage) -> float:
@@ -695,7 +703,8 @@ class PipelineExecutable:
       n_ops, n_in = len(stage.operands), len(stage.acts_in)
       per_device = self._per_device(stage)
       if isinstance(per_device, str):
-        stage.note = f"gradients reduced in every micro-batch: {per_device}"
+        stage.note = (f"gradients reduced in every micro-batch: {per_device}"
+                      + self._own_bits(self._loss.closed.jaxpr, stage))
         fwd = stage_shard.plan_program(fwd_step, bwd.lmesh, option,
                                        dict(enumerate(bwd.result.layout.in_specs[:n_ops + n_in])))
         stage.out_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
@@ -728,7 +737,8 @@ class PipelineExecutable:
     stage.operand_avals = avals[:n_ops]
     stage.in_avals = avals[n_ops:n_ops + n_in]
     stage.cot_avals = avals[n_ops + n_in:n_ops + n_in + n_cots]
-    stage.grad_avals = avals[n_ops + n_in + n_cots:]
+    stage.grad_avals = avals[n_ops + n_in + n_cots:len(avals) - self._indexed]
+    stage.index_aval = avals[-1] if self._indexed else None
     stage.backward_plan = bwd.result
     return bwd
 
@@ -756,11 +766,11 @@ class PipelineExecutable:
     if self._device_losses[n] is None:
       return "the per-device trace has no single loss equation"
     return per_device.per_device_stage(self._loss, self._device_losses[n], stage,
-                                       self._batch_operand, n)
+                                       self._batch_operand, n, self._whole, self._k * n)
 
   def _compile_per_device(self, stage: Stage, pd, fwd_step):
-    forward, backward, op_sh, in_sh, out_sh, row = per_device.programs(pd, stage.mesh.mesh,
-                                                                       self._frozen)
+    forward, backward, op_sh, in_sh, out_sh, row = per_device.programs(
+        pd, stage.mesh.mesh, self._frozen, self._indexed)
     n, n_ops, num_diff = stage.mesh.num_devices, len(stage.operands), len(stage.diff)
     placed = lambda avals, shardings: [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
                                        for a, sh in zip(avals, shardings)]
@@ -772,23 +782,30 @@ class PipelineExecutable:
     stage.grad_avals = [jax.ShapeDtypeStruct((n,) + g.shape, g.dtype, sharding=row)
                         for g in stage.grad_avals]
     n_in, n_cots = len(stage.in_avals), len(stage.cot_avals)
+    stage.index_aval = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(
+        stage.mesh.mesh, PartitionSpec())) if self._indexed else None
+    index = [stage.index_aval] if self._indexed else []
+    stage.note += self._own_bits(pd.loss.closed.jaxpr, pd.stage)
 
     def flat_forward(*leaves):
-      return forward(list(leaves[:n_ops]), list(leaves[n_ops:]))
+      return forward(list(leaves[:n_ops]), list(leaves[n_ops:n_ops + n_in]),
+                     list(leaves[n_ops + n_in:]))
 
     def flat_backward(*leaves):
       ops, rest = list(leaves[:n_ops]), leaves[n_ops:]
       sums, cots = backward(ops, list(rest[:n_in]), list(rest[n_in:n_in + n_cots]),
-                            list(rest[n_in + n_cots:]))
+                            list(rest[n_in + n_cots:n_in + n_cots + num_diff]),
+                            list(rest[n_in + n_cots + num_diff:]))
       return (*sums, *cots)
 
     stage.forward = jax.jit(flat_forward, out_shardings=out_sh).lower(
-        *stage.operand_avals, *stage.in_avals).compile()
+        *stage.operand_avals, *stage.in_avals, *index).compile()
     accumulator = tuple(range(n_ops + n_in + n_cots, n_ops + n_in + n_cots + num_diff))
     stage.backward = jax.jit(
         flat_backward, donate_argnums=accumulator,
         out_shardings=(*[row] * num_diff, *[in_sh[p] for p in stage.float_in])).lower(
-            *stage.operand_avals, *stage.in_avals, *stage.cot_avals, *stage.grad_avals).compile()
+            *stage.operand_avals, *stage.in_avals, *stage.cot_avals, *stage.grad_avals,
+            *index).compile()
     stage.reduce = jax.jit(lambda *rows: [r.sum(0) for r in rows],
                            out_shardings=stage.grad_homes).lower(*stage.grad_avals).compile()
 
@@ -860,7 +877,7 @@ class PipelineExecutable:
         ops = ops_for(s, b)
         acts_in = [move(acts[b, v], a.sharding) for v, a in zip(st.acts_in, st.in_avals)]
         t1 = clock()
-        outs = st.run_forward(ops, acts_in)
+        outs = st.run_forward(ops, acts_in, self._index_operand(st, b))
         move_s += t1 - t0
         call_s += clock() - t1
         if recorder is not None:
@@ -888,7 +905,8 @@ class PipelineExecutable:
         if recorder is not None and s in last_backward:  # before its accumulator is donated
           recorder.wait_for(last_backward[s])
         t0 = clock()
-        accumulated[s], act_cots = st.run_backward(ops, acts_in, cot_out, accumulated[s])
+        accumulated[s], act_cots = st.run_backward(ops, acts_in, cot_out, accumulated[s],
+                                                   self._index_operand(st, b))
         call_s += clock() - t0
         if recorder is not None:
           last_backward[s] = recorder.issued(BACKWARD, s, b, s % groups, t0,
@@ -939,6 +957,10 @@ class PipelineExecutable:
       results.append(total / k if jnp.issubdtype(total.dtype, jnp.inexact) else total)
     return results
 
+  def _index_operand(self, stage: Stage, b: int) -> list:
+    """The stage programs' last operand for micro-batch ``b``: ``[b]`` placed, or none."""
+    return [] if stage.index_aval is None else [self._constant(stage.index_aval, b)]
+
   def _constant(self, aval, value: float) -> jax.Array:
     """``value`` everywhere in ``aval``'s shape, placed once (backward programs do not
     donate their cotangents, so it is reused)."""
@@ -956,7 +978,7 @@ class PipelineExecutable:
     for s, st in enumerate(self.stages):
       zeros = lambda avals: [place(np.zeros(a.shape, a.dtype), a.sharding) for a in avals]
       args = (zeros(st.operand_avals), zeros(st.in_avals))
-      cots = zeros(st.cot_avals)
+      cots, index = zeros(st.cot_avals), self._index_operand(st, 0)
 
       def timed(run):
         times = []
@@ -972,8 +994,8 @@ class PipelineExecutable:
       reports.append(StageReport(
           s, st.layers, tuple(d.id for d in st.mesh.devices),
           None if self._predicted is None else self._predicted.stage_costs[s],
-          timed(lambda: st.run_forward(*args)),
-          timed(lambda: st.run_backward(*args, cots, st.zeros())), memory))
+          timed(lambda: st.run_forward(*args, index)),
+          timed(lambda: st.run_backward(*args, cots, st.zeros(), index)), memory))
     return reports
 
   def gather(self, tree):

@@ -22,6 +22,7 @@ shared with the producer, which keeps the ILP small) or a list of :class:`Strate
 - iota: any spec at no cost;
 - random_bits from one key (dropout masks): any spec, the key replicated: jax's
   partitionable threefry gives every element the same bits whatever the layout;
+  threefry2x32 on arrays (``jaxdist.rng`` draws a part of a batch's bits): elementwise;
 - bitcast_convert_type between types of one width: elementwise;
 - while, cond, scan and the other RNG primitives: replicated;
 - anything else: replicated, with one warning naming the primitive.
@@ -83,7 +84,7 @@ REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and 
                        "reduce_xor argmax argmin".split())
 CUMULATIVE = frozenset("cumsum cumprod cummax cummin cumlogsumexp".split())
 REPLICATE_QUIETLY = frozenset("while cond scan random_bits random_seed random_wrap random_unwrap "
-                              "threefry2x32 random_split random_fold_in rng_bit_generator "
+                              "random_split random_fold_in rng_bit_generator "
                               "rng_uniform".split())
 
 
@@ -129,7 +130,8 @@ def rule_for(eqn, cost_model: CostModel, produced: Callable,
       return [Strategy(f"{name} (constant)", (s,), (None,) * len(eqn.invars))
               for s in enumerate_specs(_shape(out), sizes)]
     return [_replicated_strategy(eqn, f"{name} (constant)")]
-  if name in ELEMENTWISE or _is_elementwise_call(eqn) or _same_width_bitcast(eqn):
+  if (name in ELEMENTWISE or _is_elementwise_call(eqn) or _same_width_bitcast(eqn)
+      or name == "threefry2x32"):
     return _elementwise(eqn, produced, freedom, expanded)
   if name == "random_bits" and not _shape(eqn.invars[0]):
     return [Strategy("random_bits", (s,), (replicated(0),))
