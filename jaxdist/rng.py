@@ -78,8 +78,9 @@ def count(draws: dict) -> int:
 
 
 # Calls whose bodies may draw: jit-like calls are evaluated inline, a rematerialized block
-# again as one (``jax.checkpoint`` with its policy), so it is still recomputed.
-_BODIES = frozenset(jaxpr_util.CALLS) | {"remat2"}
+# again as one (``jax.checkpoint`` with its policy), so it is still recomputed, and a scan
+# (``nn.scan``) again as one.
+_BODIES = frozenset(jaxpr_util.CALLS) | {"remat2", "scan"}
 
 
 def row_hooks(eqns, draws: dict, part: Callable, before=None, after=None):
@@ -126,4 +127,16 @@ def _call_with_rows(eqn, invals, draws: dict, part: Callable) -> list:
   if eqn.primitive.name == "remat2":
     evaluate = jax.checkpoint(evaluate, prevent_cse=eqn.params["prevent_cse"],
                               policy=eqn.params["policy"])
+  if eqn.primitive.name == "scan":
+    num_consts, num_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    consts, carry, xs = (invals[:num_consts], invals[num_consts:num_consts + num_carry],
+                         invals[num_consts + num_carry:])
+
+    def iteration(carry, x):
+      outs = evaluate(*consts, *carry, *x)
+      return outs[:num_carry], outs[num_carry:]
+
+    carry, ys = lax.scan(iteration, carry, xs, length=eqn.params["length"],
+                         reverse=eqn.params["reverse"], unroll=eqn.params["unroll"])
+    return [*carry, *ys]
   return list(evaluate(*invals))

@@ -127,11 +127,20 @@ class _DenseDropout(nn.Module):
     return nn.Dropout(0.3, deterministic=False)(nn.relu(nn.Dense(64)(x)))
 
 
+class _ScannedDropout(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    return _DenseDropout()(x), None
+
+
 class _Dropout(nn.Module):
   @nn.compact
   def __call__(self, x):
-    for layer in range(3):  # the middle one rematerialized: its draws sit in its body
+    for layer in range(2):  # the second rematerialized: its draws sit in its body
       x = (nn.remat(_DenseDropout) if layer == 1 else _DenseDropout)()(x)
+    scan = nn.scan(_ScannedDropout, variable_axes={"params": 0}, length=2,
+                   split_rngs={"params": True, "dropout": True})
+    x, _ = scan()(x, None)  # draws in a scan body
     return nn.Dense(8)(x)
 
 

@@ -22,7 +22,8 @@ shared with the producer, which keeps the ILP small) or a list of :class:`Strate
 - iota: any spec at no cost;
 - random_bits from one key (dropout masks): any spec, the key replicated: jax's
   partitionable threefry gives every element the same bits whatever the layout;
-  threefry2x32 on arrays (``jaxdist.rng`` draws a part of a batch's bits): elementwise;
+  threefry2x32 on arrays (``jaxdist.rng`` draws a part of a batch's bits) and
+  random_clone (``nn.scan``'s split keys): elementwise;
 - bitcast_convert_type between types of one width: elementwise;
 - while, cond, scan and the other RNG primitives: replicated;
 - anything else: replicated, with one warning naming the primitive.
@@ -131,7 +132,7 @@ def rule_for(eqn, cost_model: CostModel, produced: Callable,
               for s in enumerate_specs(_shape(out), sizes)]
     return [_replicated_strategy(eqn, f"{name} (constant)")]
   if (name in ELEMENTWISE or _is_elementwise_call(eqn) or _same_width_bitcast(eqn)
-      or name == "threefry2x32"):
+      or name in ("threefry2x32", "random_clone")):
     return _elementwise(eqn, produced, freedom, expanded)
   if name == "random_bits" and not _shape(eqn.invars[0]):
     return [Strategy("random_bits", (s,), (replicated(0),))
