@@ -54,7 +54,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxdist import coupling
 from jaxdist import inspect as hlo_inspect
-from jaxdist import jaxpr_util
+from jaxdist import jaxpr_util, rng
 from jaxdist import methods as m
 from jaxdist.executable import Executable, compile_flat
 from jaxdist.layouts import Layout
@@ -229,10 +229,16 @@ def plan(method: m.PipeshardParallel, step: TracedStep, lmesh: LogicalMesh, inde
     corr = _correspondence(loss_jaxpr.eqns[stack.scan].params["jaxpr"].jaxpr, body)
   normalizer = coupling.normalizer_of(loss_jaxpr.eqns, loss_jaxpr.outvars[0],
                                       set(loss_jaxpr.invars[loss.num_consts:]))
+  # The traces at the two sizes have the same equations, one for one.
+  whole_body = loss_jaxpr if stack.scan is None else loss_jaxpr.eqns[stack.scan].params["jaxpr"].jaxpr
+  same = lambda eqns: {i: i for i in range(len(eqns))}
+  draws = rng.partial_draws(body.eqns, whole_body.eqns, same(body.eqns), stack.template, k * d)
+  head_draws = rng.partial_draws(local.eqns, loss_jaxpr.eqns, same(local.eqns),
+                                 range(stack.end, len(local.eqns)), k * d) if one_f_one_b else {}
   return _Pipeline(stack, body, consts, corr, p, d, v, k, method.pipeline_schedule,
                    batched[len(stack.carry_init):], local, _correspondence(loss_jaxpr, local),
                    head, head_batched, loss.kinds.count(capture.AUX),
-                   normalizer if one_f_one_b else None)
+                   normalizer if one_f_one_b else None, draws, head_draws)
 
 
 def _head_inputs(jaxpr, stack: Stack) -> list:
@@ -271,6 +277,9 @@ class _Pipeline:
     num_aux: the loss's aux outputs.
     normalizer: under 1F1B, the ``d`` of a token-weighted loss ``n / d``
       (``coupling.normalizer_of``; full-batch var), or None.
+    draws, head_draws: the layer's (in ``jaxpr``) and, under 1F1B, the head's (in
+      ``loss_local``) random draws that are a share of a whole-batch draw
+      (``rng.partial_draws``): a share draws its rows of the whole batch's bits.
   """
 
   stack: Stack
@@ -289,26 +298,42 @@ class _Pipeline:
   head_batched: list
   num_aux: int
   normalizer: object = None
+  draws: dict = dataclasses.field(default_factory=dict)
+  head_draws: dict = dataclasses.field(default_factory=dict)
 
-  def _layer(self, weights, carry, shared):
-    """One layer on one device's share of a micro-batch (the template, traced at that size)."""
+  def share(self, micro):
+    """Which share of the whole batch this device's part of micro-batch ``micro`` is
+    (``split_micro_batches``' order: data index, then micro-batch)."""
+    return lax.axis_index(DATA) * self.m + micro
+
+  def _layer(self, weights, carry, shared, micro=None):
+    """One layer on one device's share of micro-batch ``micro`` (the template, traced at
+    that size)."""
     s, loc = self.stack, self.local
     env = dict(self.consts)
     env.update(zip([loc[x] for x in s.weight_vars], weights))
     env.update(zip([loc[x] for x in s.carry_in], carry))
     env.update(zip([loc[x] for x in s.shared], shared))
-    jaxpr_util.eval_eqns(self.jaxpr, env, s.template)
+    before = after = None
+    if self.draws and micro is not None:
+      before, after = rng.row_hooks(self.jaxpr.eqns, self.draws, lambda: self.share(micro))
+    jaxpr_util.eval_eqns(self.jaxpr, env, s.template, before=before, after=after)
     return [jaxpr_util.read(env, x if isinstance(x, jex.Literal) else loc[x])
             for x in s.carry_src]
 
-  def head(self, carry_out, head_inputs) -> list:
-    """The loss's equations after the stack on one device's share of a micro-batch:
-    the loss value, then the aux outputs."""
+  def head(self, carry_out, head_inputs, micro=None) -> list:
+    """The loss's equations after the stack on one device's share of micro-batch
+    ``micro``: the loss value, then the aux outputs."""
     jaxpr, loc = self.loss_local, self.loss_corr
     env = dict(zip([loc[x] for x in self.stack.carry_out], carry_out))
     env.update(zip([loc[x] for x in self.head_inputs], head_inputs))
-    guard = None if self.normalizer is None else coupling.padding_guard(jaxpr)
-    jaxpr_util.eval_eqns(jaxpr, env, range(self.stack.end, len(jaxpr.eqns)), before=guard)
+    before = None if self.normalizer is None else coupling.padding_guard(jaxpr)
+    after = None
+    if self.head_draws and micro is not None:
+      before, after = rng.row_hooks(jaxpr.eqns, self.head_draws, lambda: self.share(micro),
+                                    before)
+    jaxpr_util.eval_eqns(jaxpr, env, range(self.stack.end, len(jaxpr.eqns)), before=before,
+                         after=after)
     return [jaxpr_util.read(env, x) for x in jaxpr.outvars]
 
   def count(self, head_inputs):
@@ -334,16 +359,16 @@ class _Pipeline:
     shared_specs = [mb_spec if b else P() for b in self.shared_batched]
     clocks = num_clocks(p, v, m)
 
-    def chunk_forward(ws, repeat, x, side):
+    def chunk_forward(ws, repeat, x, side, micro):
       def one(x, w):
-        return self._layer(w, x, side), None
+        return self._layer(w, x, side, micro), None
       return lax.scan(one, x, [w[repeat] for w in ws])[0]
 
     # A stage idle at this clock (the bubble) skips its chunk (each device branches on its
     # own predicate); the chunk is rematerialized in the backward pass, so a clock's
     # residuals are its inputs.
-    run_chunk = jax.checkpoint(lambda real, ws, repeat, x, side: lax.cond(
-        real, chunk_forward, lambda ws, repeat, x, side: x, ws, repeat, x, side))
+    run_chunk = jax.checkpoint(lambda real, ws, repeat, x, side, micro: lax.cond(
+        real, chunk_forward, lambda ws, repeat, x, side, micro: x, ws, repeat, x, side, micro))
 
     def body(ws, xs, sides):
       ws = [w[:, 0] for w in ws]
@@ -358,7 +383,7 @@ class _Pipeline:
         fresh = (stage == 0) & (repeat == 0)
         x = [jnp.where(fresh, a[micro], b) for a, b in zip(xs, state)]
         side = [y[micro] if b else y for y, b in zip(sides, self.shared_batched)]
-        y = run_chunk(real, ws, repeat, x, side)
+        y = run_chunk(real, ws, repeat, x, side, micro)
         ring = [(j, (j + 1) % p) for j in range(p)]
         return [lax.ppermute(a, STAGE, ring) for a in y], y
 

@@ -88,6 +88,7 @@ def _run(pipe, mesh, weights, carry, shared, head_inputs):
   size = ring_size(p, m)
   # Differentiated here: floats that do not depend on the batch.
   shared_diff = [not b and _is_float(x) for x, b in zip(shared, pipe.shared_batched)]
+  weights_diff = [_is_float(w) for w in weights]  # not per-layer keys (nn.scan's split rngs)
   head_diff = [not b and _is_float(x) for x, b in zip(head_inputs, pipe.head_batched)]
 
   def body(ws, xs, shs, his):
@@ -101,17 +102,19 @@ def _run(pipe, mesh, weights, carry, shared, head_inputs):
     def at(values, batched, i):  # one micro-batch's share of the batched inputs
       return [x[i] if b else x for x, b in zip(values, batched)]
 
-    def chunk_forward(ws, x, sh):
-      return lax.scan(lambda x, w: (pipe._layer(w, x, sh), None), x, ws)[0]
+    def chunk_forward(ws, x, sh, micro):
+      return lax.scan(lambda x, w: (pipe._layer(w, x, sh, micro), None), x, ws)[0]
 
-    def chunk_backward(ws, x, sh, ct):
+    def chunk_backward(ws, x, sh, ct, micro):
       diff = [v for v, t in zip(sh, shared_diff) if t]
+      float_ws = [w for w, t in zip(ws, weights_diff) if t]
 
-      def f(ws, x, diff):
-        it = iter(diff)
-        return chunk_forward(ws, x, [next(it) if t else v for v, t in zip(sh, shared_diff)])
+      def f(float_ws, x, diff):
+        it, its = iter(diff), iter(float_ws)
+        return chunk_forward([next(its) if t else w for w, t in zip(ws, weights_diff)], x,
+                             [next(it) if t else v for v, t in zip(sh, shared_diff)], micro)
 
-      _, vjp = jax.vjp(f, ws, x, diff)
+      _, vjp = jax.vjp(f, float_ws, x, diff)
       return vjp(ct)
 
     # A token-weighted loss n / c: each micro-batch share's loss counts c_share / Σ c
@@ -123,12 +126,12 @@ def _run(pipe, mesh, weights, carry, shared, head_inputs):
     else:
       share = lambda hi: jnp.float32(1 / (m * d))
 
-    def head(y, hi):
+    def head(y, hi, micro):
       diff = [v for v, t in zip(hi, head_diff) if t]
 
       def f(y, diff):
         it = iter(diff)
-        outs = pipe.head(y, [next(it) if t else v for v, t in zip(hi, head_diff)])
+        outs = pipe.head(y, [next(it) if t else v for v, t in zip(hi, head_diff)], micro)
         return outs[0], outs[1:]
 
       value, vjp, aux = jax.vjp(f, y, diff, has_aux=True)
@@ -138,15 +141,15 @@ def _run(pipe, mesh, weights, carry, shared, head_inputs):
 
     zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
     y_shape = [x[0] for x in xs]
-    head_shape = jax.eval_shape(head, y_shape, at(his, pipe.head_batched, 0))
+    head_shape = jax.eval_shape(head, y_shape, at(his, pipe.head_batched, 0), 0)
     chunk_shape = jax.eval_shape(chunk_backward, ws, y_shape, at(shs, pipe.shared_batched, 0),
-                                 y_shape)
+                                 y_shape, 0)
     filled = lambda shapes: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
     init = dict(
         up=zeros(y_shape), down=zeros(y_shape),
         ring=[jnp.zeros((size, *x.shape[1:]), x.dtype) for x in xs],
         value=filled(head_shape[0]), aux=filled(head_shape[1]), dhead=filled(head_shape[3]),
-        dws=zeros(ws), dshared=filled(chunk_shape[2]), dcarry=zeros(xs))
+        dws=filled(chunk_shape[0]), dshared=filled(chunk_shape[2]), dcarry=zeros(xs))
 
     def clock(state, t):
       f = t - stage
@@ -154,20 +157,20 @@ def _run(pipe, mesh, weights, carry, shared, head_inputs):
       fi = jnp.clip(f, 0, m - 1)
       x = [jnp.where(stage == 0, a[fi], b) for a, b in zip(xs, state["up"])]
       sh = at(shs, pipe.shared_batched, fi)
-      y = lax.cond(f_ok, chunk_forward, lambda ws, x, sh: x, ws, x, sh)
+      y = lax.cond(f_ok, chunk_forward, lambda ws, x, sh, micro: x, ws, x, sh, fi)
       slot = fi % size
       ring = [lax.dynamic_update_index_in_dim(r, jnp.where(f_ok, a, r[slot]), slot, 0)
               for r, a in zip(state["ring"], x)]
       value, aux, dy, dhead = lax.cond(
-          f_ok & last, head, lambda y, hi: filled(head_shape),
-          y, at(his, pipe.head_batched, fi))
+          f_ok & last, head, lambda y, hi, micro: filled(head_shape),
+          y, at(his, pipe.head_batched, fi), fi)
       b = t - (2 * p - 2 - stage)
       b_ok = (b >= 0) & (b < m)
       bi = jnp.clip(b, 0, m - 1)
       ct = [jnp.where(last, a, c) for a, c in zip(dy, state["down"])]
       dws, dx, dsh = lax.cond(
-          b_ok, chunk_backward, lambda ws, x, sh, ct: filled(chunk_shape),
-          ws, [r[bi % size] for r in ring], at(shs, pipe.shared_batched, bi), ct)
+          b_ok, chunk_backward, lambda ws, x, sh, ct, micro: filled(chunk_shape),
+          ws, [r[bi % size] for r in ring], at(shs, pipe.shared_batched, bi), ct, bi)
       dcarry = [lax.dynamic_update_index_in_dim(
           acc, jnp.where(b_ok & (stage == 0), g, acc[bi]), bi, 0)
           for acc, g in zip(state["dcarry"], dx)]
@@ -192,11 +195,13 @@ def _run(pipe, mesh, weights, carry, shared, head_inputs):
       body, mesh=mesh,
       in_specs=([P(STAGE)] * len(stacked), [P(DATA)] * len(carry_split),
                 spec(pipe.shared_batched), spec(pipe.head_batched)),
-      out_specs=(P(), [P()] * pipe.num_aux, [P(STAGE)] * len(stacked),
+      out_specs=(P(), [P()] * pipe.num_aux, [P(STAGE)] * sum(weights_diff),
                  [P(STAGE, None, DATA)] * len(carry), [P()] * sum(shared_diff),
                  [P()] * sum(head_diff)),
       check_vma=False)(stacked, carry_split, shared_split, head_split)
-  dws = [g.reshape(w.shape) for g, w in zip(dws, weights)]
+  dws = iter(dws)
+  dws = [next(dws).reshape(w.shape) if t else _zero_cotangent(w)
+         for w, t in zip(weights, weights_diff)]
   dcarry = [g[0].reshape(m, d, -1, *g.shape[3:]).swapaxes(0, 1).reshape(x.shape)
             for g, x in zip(dcarry, carry)]
   dshared, dhead = iter(dshared), iter(dhead)
