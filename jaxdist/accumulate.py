@@ -54,6 +54,9 @@ class GradSplit:
     grad_marker: the marker's index in ``grad_jaxpr``.
     grad_eqns: equations of ``grad_jaxpr`` that compute the marker's operands.
     grad_inputs: positions of the step inputs the gradient part reads.
+    per_example: per marker output, whether it is an aux output with a batch dimension
+      (dim 0: logits returned for metrics): concatenated over micro-batches and devices
+      in batch order, not averaged.
   """
 
   marker: int
@@ -63,6 +66,23 @@ class GradSplit:
   grad_marker: int
   grad_eqns: frozenset[int]
   grad_inputs: tuple[int, ...]
+  per_example: tuple[bool, ...] = ()
+
+
+HEAVY = ("dot_general", "conv_general_dilated")
+
+
+def _heavy_batch_work(jaxpr, ids, step: TracedStep) -> bool:
+  """Whether a matmul or convolution among the equations ``ids`` reads the batch (a
+  second forward pass); metrics from the aux and the labels are cheap on the whole batch."""
+  tainted = {jaxpr.invars[k] for k, leaf in enumerate(step.inputs) if leaf.role == BATCH}
+  for i in sorted(ids):
+    eqn = jaxpr.eqns[i]
+    if any(not isinstance(v, jex.Literal) and v in tainted for v in eqn.invars):
+      if any(jaxpr_util.count_primitive(jaxpr, name, [i]) for name in HEAVY):
+        return True
+      tainted.update(eqn.outvars)
+  return False
 
 
 def split_at_marker(step: TracedStep) -> GradSplit:
@@ -71,8 +91,7 @@ def split_at_marker(step: TracedStep) -> GradSplit:
   marker_eqn = jaxpr.eqns[step.marker_index]
   apply_eqns = (jaxpr_util.needed_eqns(jaxpr, jaxpr.outvars, stop=[step.marker_index])
                 - {step.marker_index})
-  batch_ids = {k for k, leaf in enumerate(step.inputs) if leaf.role == BATCH}
-  if set(jaxpr_util.free_invars(jaxpr, apply_eqns)) & batch_ids:
+  if _heavy_batch_work(jaxpr, apply_eqns, step):
     warnings.warn(
         "the step uses the batch outside jaxdist.grad / value_and_grad (for example metrics "
         "from a second forward pass); that part runs on the whole batch at once, not per "
@@ -85,17 +104,25 @@ def split_at_marker(step: TracedStep) -> GradSplit:
     grad_closed, grad_marker = step.micro_jaxpr, step.micro_marker_index
   grad_marker_eqn = grad_closed.jaxpr.eqns[grad_marker]
   kinds = tuple(marker_eqn.params["kinds"])
+  per_example = []
   for kind, micro, full in zip(kinds, grad_marker_eqn.invars, marker_eqn.invars):
-    if micro.aval.shape != full.aval.shape:
+    shape, local = tuple(full.aval.shape), tuple(micro.aval.shape)
+    per_example.append(kind == "aux" and bool(shape) and len(shape) == len(local)
+                       and shape[1:] == local[1:] and shape[0] != local[0]
+                       and shape[0] % local[0] == 0)
+    if shape != local and not per_example[-1]:
       raise errors.InvalidArgumentError(
-          f"a {kind} output of jaxdist.value_and_grad has shape {full.aval.shape} on the whole "
-          f"batch but {micro.aval.shape} on one micro-batch shard: it has a batch dimension. "
-          f"Marked values are averaged over micro-batches and devices, so return a reduced "
-          f"value (a mean or a sum) instead.")
+          f"a {kind} output of jaxdist.value_and_grad has shape {shape} on the whole batch but "
+          f"{local} on one micro-batch shard: "
+          + ("only aux outputs may have a batch dimension (dim 0: they are concatenated in "
+             "batch order); the value and gradients are averaged over micro-batches and "
+             "devices." if kind != "aux" else
+             "an aux output's batch dimension must be dim 0 (it is concatenated there)."))
   grad_eqns = jaxpr_util.needed_eqns(grad_closed.jaxpr, grad_marker_eqn.invars)
   return GradSplit(step.marker_index, kinds, frozenset(apply_eqns), grad_closed, grad_marker,
                    frozenset(grad_eqns),
-                   tuple(jaxpr_util.free_invars(grad_closed.jaxpr, grad_eqns)))
+                   tuple(jaxpr_util.free_invars(grad_closed.jaxpr, grad_eqns)),
+                   tuple(per_example))
 
 
 def local_constraints(step: TracedStep, split: GradSplit, eqn_constraints: dict,
@@ -221,6 +248,8 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
             if w and jnp.issubdtype(x.dtype, jnp.inexact) else x
             for x, w in zip(outs, weighted)], d.astype(jnp.float32)
 
+  per_example = split.per_example
+
   def local(*values):
     if k == 1:
       sums, weight = grads_one(values)
@@ -231,15 +260,24 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
         micro_index[0], xs = xs
         it = iter(xs)
         outs, d = grads_one([next(it) if b else x for x, b in zip(values, is_batch)])
-        return ([a + o for a, o in zip(acc[0], outs)], acc[1] + d), None
+        rows = [o for o, e in zip(outs, per_example) if e]  # collected, not summed
+        outs = [o for o, e in zip(outs, per_example) if not e]
+        return ([a + o for a, o in zip(acc[0], outs)], acc[1] + d), rows
 
-      init = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in grad_marker_eqn.invars]
-      (sums, weight), _ = jax.lax.scan(body, (init, jnp.float32(0)), (jnp.arange(k), micro))
+      init = [jnp.zeros(v.aval.shape, v.aval.dtype)
+              for v, e in zip(grad_marker_eqn.invars, per_example) if not e]
+      (sums, weight), rows = jax.lax.scan(body, (init, jnp.float32(0)), (jnp.arange(k), micro))
       micro_index[0] = 0
+      sums, rows = iter(sums), iter(rows)
+      sums = [next(rows).reshape(-1, *v.aval.shape[1:]) if e else next(sums)
+              for v, e in zip(grad_marker_eqn.invars, per_example)]
     if normalizer is not None and axes is not None:
       weight = jax.lax.psum(weight, axes)
     reduced = []
     for j, (x, spec) in enumerate(zip(sums, reduce_specs)):
+      if per_example[j]:  # this device's rows, in batch order
+        reduced.append(x)
+        continue
       if jnp.issubdtype(x.dtype, jnp.inexact):
         x = x / (weight.astype(x.dtype) if weighted[j] else k * num_shards)
       if axes is None:
@@ -260,7 +298,8 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
   in_specs = tuple(PartitionSpec(axes) if b else
                    (streamed or {}).get(i, PartitionSpec())
                    for i, b in zip(split.grad_inputs, is_batch))
-  out_specs = tuple(PartitionSpec() if s is None else s for s in reduce_specs)
+  out_specs = tuple(PartitionSpec(axes) if e else PartitionSpec() if s is None else s
+                    for s, e in zip(reduce_specs, split.per_example))
   # check_vma=False: the re-bound equations mix per-device and replicated operands
   # without the casts jnp code would insert; every output is reduced explicitly above.
   region = local if axes is None else jax.shard_map(

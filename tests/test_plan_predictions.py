@@ -371,3 +371,29 @@ def test_resharding_follows_what_xla_emits():
   # From one of them and from itself: one all-to-all per axis.
   assert cost.reshard_collectives(((b,), (), (a,)), ((), (), (a, b)), full) == [
       ("all-to-all", (b,), full / 8)]
+
+
+class _PooledCNN(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Conv(16, (3, 3))(x))
+    x = nn.max_pool(x, (2, 2), (2, 2))
+    x = nn.relu(nn.Conv(32, (3, 3))(x))
+    x = nn.avg_pool(x, (2, 2), (2, 2), padding="SAME")
+    return nn.Dense(10)(x.reshape(x.shape[0], -1))
+
+
+def test_pooling_is_planned_not_replicated():
+  """max_pool / avg_pool and their gradients (reduce_window_*, select_and_scatter_add)
+  split anywhere but along the pooled dims; before, they had no rule (planned
+  replicated, a warning naming them)."""
+  model = _PooledCNN()
+  x = jax.random.normal(jax.random.key(0), (32, 16, 16, 3))
+  batch = {"x": x, "y": jax.random.normal(jax.random.key(1), (32, 10))}
+  state = models.create_state(model, x, tx=optax.sgd(0.1))
+  step = models.regression_step()
+  f = jd.parallelize(step, method=jd.ShardParallel(devices=_mesh((2, 4), H100)))
+  exe = f.get_executable(state, batch)
+  assert not any("lack of a sharding rule" in n for n in exe.plan.notes), exe.plan.notes
+  _assert_predicted_as_compiled(exe)
+  assert_trees_close(f(state, batch), jax.jit(step)(state, batch), rtol=1e-5, atol=1e-6)

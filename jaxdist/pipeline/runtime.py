@@ -252,6 +252,7 @@ class PipelineExecutable:
     self._retrace, self._device_losses, self._constants = retrace, {}, {}
     self._index = loss_equation(jaxpr)
     eqn = jaxpr.eqns[self._index]
+    self._result_avals = [v.aval for v in eqn.outvars]
     k = self._k = method.num_micro_batches or 1
     # Stages run the loss as traced at micro-batch size (shapes are baked into a jaxpr).
     micro = [e for e in step.micro_jaxpr.jaxpr.eqns if e.primitive is capture.pipeline_loss_p]
@@ -949,6 +950,9 @@ class PipelineExecutable:
                        else move(np.zeros(v.aval.shape, v.aval.dtype), home[pos]))
         continue
       parts = [move(outputs[b, i], self._result_homes[i]) for b in range(k)]
+      if kind == capture.AUX and parts[0].shape != self._result_avals[i].shape:
+        results.append(jnp.concatenate(parts))  # per example (logits): in batch order
+        continue
       if kind == capture.VALUE and shares is not None:
         parts = [x * move(w.astype(x.dtype), self._result_homes[i]) for x, w in zip(parts, shares)]
         results.append(sum(parts[1:], parts[0]))

@@ -221,6 +221,12 @@ def plan(method: m.PipeshardParallel, step: TracedStep, lmesh: LogicalMesh, inde
   local = micro_eqns[0].params["loss"].closed.jaxpr if len(micro_eqns) == 1 else None
   if local is None or [e.primitive for e in local.eqns] != [e.primitive for e in loss_jaxpr.eqns]:
     return "the loss traced at one device's share of a micro-batch has different equations"
+  if one_f_one_b:
+    for j, (full, share) in enumerate(zip(loss_jaxpr.outvars[1:], local.outvars[1:])):
+      if j < loss.kinds.count(capture.AUX) and full.aval.shape != share.aval.shape:
+        return (f"1F1B: aux output {j} ({full.aval.str_short()}) has a batch dimension; the "
+                f"lockstep 1F1B runtime sums aux over micro-batches and does not collect "
+                f"per-example values (GPipe and the MPMD runtime do)")
   if stack.scan is None:
     body, consts, corr = local, {}, _correspondence(loss_jaxpr, local)
   else:

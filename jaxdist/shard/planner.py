@@ -28,6 +28,7 @@ from jaxdist import errors
 from jaxdist import jaxpr_util
 from jaxdist import methods as m
 from jaxdist import progress
+from jaxdist.coupling import batch_coupling
 from jaxdist.layouts import Layout, check_batch_divisible, uses_marker
 from jaxdist.mesh import LogicalMesh
 from jaxdist.shard import cache, combine
@@ -252,6 +253,10 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
     predicted = _micro_batch_predictions(step, best, layout, k)
     notes.append(f"num_micro_batches={k}: the gradient part's collectives run {k} times (on "
                  f"1/{k} of the batch each); gradients are reduced once, after the loop")
+    coupled = batch_coupling(step)
+    if coupled:
+      notes.append(f"the step mixes examples beyond the loss's mean ({coupled}); with "
+                   f"num_micro_batches={k} each micro-batch uses its own statistics")
   rolled = None if regions is None else roll(
       rolled_jaxpr, origins, layout.eqn_constraints, layout.operand_constraints)
   if isinstance(rolled, str) and stand_ins:

@@ -13,6 +13,8 @@ shared with the producer, which keeps the ILP small) or a list of :class:`Strate
 - dot_general: each mesh axis splits one batch dim, the lhs free dim, the rhs free dim or
   the contraction (a partial sum, reduced by an all-reduce over that axis), or nothing;
 - conv_general_dilated: batch, output-feature or input-feature (all-reduce) splits;
+- pooling (reduce_window_*, select_and_scatter_add): like slicing, the dims a window
+  spans, strides or pads kept unsplit;
 - dots and convs are "heavy": when some strategy splits them over every mesh axis,
   the strategies that leave an axis computing redundantly are dropped (Alpa's
   ``allow_recompute_heavy_op=False``): replicating a matmul wastes the devices it runs
@@ -84,6 +86,9 @@ stop_gradient optimization_barrier
 REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or "
                        "reduce_xor argmax argmin".split())
 CUMULATIVE = frozenset("cumsum cumprod cummax cummin cumlogsumexp".split())
+# Pooling and its gradients: split anywhere but along the dims a window spans.
+WINDOWED = frozenset("reduce_window_sum reduce_window_max reduce_window_min reduce_window "
+                     "select_and_scatter_add select_and_gather_add".split())
 REPLICATE_QUIETLY = frozenset("while cond scan random_bits random_seed random_wrap random_unwrap "
                               "random_split random_fold_in rng_bit_generator "
                               "rng_uniform".split())
@@ -156,7 +161,7 @@ def rule_for(eqn, cost_model: CostModel, produced: Callable,
   if name in ("reshape", "squeeze", "expand_dims"):
     return _reshape(eqn, sizes)
   if name in ("slice", "pad", "rev", "dynamic_slice", "dynamic_update_slice", "concatenate",
-              "split", "sort", "fft") or name in CUMULATIVE:
+              "split", "sort", "fft") or name in CUMULATIVE or name in WINDOWED:
     return _touching(eqn, sizes)
   if name == "iota":
     shape = _shape(eqn.outvars[0])
@@ -340,6 +345,11 @@ def _touching(eqn, sizes) -> Follow:
     touched = set(eqn.params["dimensions"])
   elif name == "fft":
     touched = set(range(len(in_shape) - len(eqn.params["fft_lengths"]), len(in_shape)))
+  elif name in WINDOWED:  # pooling: the dims a window spans, strides or pads
+    p = eqn.params
+    touched = {d for d, w in enumerate(p["window_dimensions"])
+               if w != 1 or p["window_strides"][d] != 1 or tuple(p["padding"][d]) != (0, 0)
+               or p.get("base_dilation", (1,) * len(in_shape))[d] != 1}
   else:
     touched = {d for d in range(len(in_shape)) if d >= len(out_shape) or in_shape[d] != out_shape[d]}
     if name == "dynamic_update_slice":
