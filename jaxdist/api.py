@@ -24,7 +24,8 @@ from jaxdist.pipeline import spmd
 from jaxdist.pipeline.runtime import PipelineExecutable, loss_equation
 from jaxdist.recompute import RecomputeRequest, recomputing
 from jaxdist.shard.planner import plan_shard_parallel
-from jaxdist.trace import is_array, leaf_signature, trace_step, with_micro_batch_trace
+from jaxdist.trace import (PARAM, TracedStep, is_array, leaf_signature, trace_step,
+                           with_micro_batch_trace)
 
 
 # How often ShardParallel plans again, with a tighter budget, when the compiled step
@@ -102,6 +103,13 @@ class Planned:
   shard_plan: Any
   static_argnums: tuple[int, ...]
   timings: dict
+
+
+def _evaluation(step: TracedStep) -> bool:
+  """Whether the step differentiates nothing with jaxdist and updates no parameter."""
+  return (not jaxpr_util.count_primitive(step.closed_jaxpr.jaxpr, capture.pipeline_loss_p.name)
+          and not any(src is not None and step.inputs[src].role == PARAM
+                      for src in step.output_source))
 
 
 class ParallelizedFunc:
@@ -347,6 +355,8 @@ class ParallelizedFunc:
         return with_micro_batch_trace(self.fun, args, static, step, divisor,
                                       jaxpr_util.CALLS).micro_jaxpr
 
+    if compile and _evaluation(step):
+      return self._evaluation_executable(args, static, lmesh)
     index = loss_equation(step.closed_jaxpr.jaxpr)
     runtime, why_not = self.method.runtime, None
     if runtime == "auto" and self.method.pipeline_schedule == "1f1b":
@@ -371,6 +381,19 @@ class ParallelizedFunc:
     if why_not is not None and compile:
       exe.plan = dataclasses.replace(exe.plan, notes=(f"runtime mpmd: {why_not}",
                                                       *exe.plan.notes))
+    return exe
+
+  def _evaluation_executable(self, args, static, lmesh: LogicalMesh):
+    """An evaluation step under PipeshardParallel: ShardParallel over the same devices."""
+    method = m.ShardParallel(devices=lmesh,
+                             auto_sharding_option=self.method.default_auto_sharding_option)
+    inner = ParallelizedFunc(self.fun, method, self.static_argnums, self.donate_argnums,
+                             self.batch_argnums)
+    exe = inner._compile(args, static)
+    exe.plan = dataclasses.replace(exe.plan, notes=(
+        f"PipeshardParallel: the step differentiates nothing and updates no parameter (an "
+        f"evaluation step), so it has no stages to pipeline: it runs as ShardParallel over "
+        f"the pipeline's {lmesh.num_devices} devices", *exe.plan.notes))
     return exe
 
   def _spmd(self, attempt):

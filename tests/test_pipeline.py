@@ -257,6 +257,26 @@ def test_token_weighted_losses_and_clipping_match_serial(method):
   assert sum(len(st.diff) for st in exe.stages) == len(trained)
 
 
+def test_an_evaluation_step_runs_as_shard_parallel_over_the_pipeline_devices():
+  """A step that differentiates nothing (evaluation) has no stages: it runs as
+  ShardParallel over the same devices and says so; before, GradientMarkerError."""
+  make, batch = _gpt()
+
+  def eval_step(state, batch):
+    logits = state.apply_fn(state.params, batch["tokens"][:, :-1])
+    labels = batch["tokens"][:, 1:]
+    return {"loss": optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(),
+            "accuracy": jnp.mean(jnp.argmax(logits, -1) == labels)}
+
+  method = jd.PipeshardParallel(num_micro_batches=2, layer_option="manual")
+  step = jd.parallelize(eval_step, method=method)
+  assert_trees_close(to_host(step(make(), batch)), to_host(jax.jit(eval_step)(make(), batch)),
+                     rtol=1e-5, atol=1e-6)
+  exe = step.get_executable(make(), batch)
+  assert exe.plan.method == "ShardParallel" and "evaluation step" in exe.plan.notes[0]
+  assert exe.plan.mesh_shape in ((8,), (2, 4), (4, 2))
+
+
 class _DenseDropout(nn.Module):
   @nn.compact
   def __call__(self, x):
