@@ -128,20 +128,26 @@ def split_at_marker(step: TracedStep) -> GradSplit:
 def local_constraints(step: TracedStep, split: GradSplit, eqn_constraints: dict,
                       batch_axes: tuple[str, ...], axis_sizes: dict[str, int],
                       operands: bool = False) -> dict:
-  """The plan's constraints on the gradient part, for one device's micro-batch shard.
+  """The plan's constraints on the gradient part, for one device's micro-batch shard
+  (:func:`localize`; ``eqn_constraints`` index the step's jaxpr)."""
+  return localize(step.closed_jaxpr.jaxpr.eqns, split.grad_jaxpr.jaxpr.eqns, split.grad_eqns,
+                  eqn_constraints, batch_axes, axis_sizes, operands)
 
-  ``eqn_constraints`` index the step's jaxpr; the gradient part runs the micro-batch
-  trace: the same code at another batch size, so its equations line up with the
-  planned ones except where jax special-cases a size-1 dimension (a broadcast more or
-  less). The two are aligned by their primitive sequence; an equation without a
+
+def localize(full, micro, ids, eqn_constraints: dict, batch_axes: tuple[str, ...],
+             axis_sizes: dict[str, int], operands: bool = False) -> dict:
+  """A plan's constraints (``eqn_constraints``, indexing the equations ``full``) on the
+  equations ``micro[ids]``: the same code traced at one device's share of the batch.
+
+  Except where jax special-cases a size-1 dimension (a broadcast more or less), the two
+  line up; they are aligned by their primitive sequence, and an equation without a
   counterpart is left to XLA. Batch axes are dropped (they are manual inside the
-  ``shard_map``), and so is an axis that does not divide the micro-batch dimension.
-  With ``operands`` the specs are per operand (None: unconstrained) instead of per output.
+  ``shard_map``), and so is an axis that does not divide the share's dimension. With
+  ``operands`` the specs are per operand (None: unconstrained) instead of per output.
   """
-  full, micro = step.closed_jaxpr.jaxpr.eqns, split.grad_jaxpr.jaxpr.eqns
   to_full = jaxpr_util.align(micro, full)
   out = {}
-  for i in split.grad_eqns:
+  for i in ids:
     j = to_full.get(i)
     side = (lambda e: e.invars) if operands else (lambda e: e.outvars)
     if j not in eqn_constraints or len(side(full[j])) != len(side(micro[i])):

@@ -192,6 +192,34 @@ def test_gpt_stages_reduce_gradients_once_per_step():
   assert wire[1] >= params, (wire, params)  # the gradients are reduced, once
 
 
+def test_model_parallel_stages_reduce_gradients_once_per_step():
+  """A stage planned with its batch on one axis and its MLP kernels split over the other
+  (Megatron's layout) runs manual over the batch axis only: each shard adds its partial
+  gradients (kept split as planned) into its row, summed once per step; the kernels stay
+  split. Before, such a stage all-reduced its gradients in every micro-batch."""
+  make, batch = _gpt()
+  option = jd.AutoShardingOption(
+      force_batch_dim_to_mesh_dim=0,
+      partition_constraints={"*Dense_0*kernel*": P(None, "mesh_1"),
+                             "*Dense_1*kernel*": P("mesh_1", None)})
+  method = jd.PipeshardParallel(
+      num_micro_batches=4, default_auto_sharding_option=option,
+      stage_option=jd.ManualStageOption([[0, 1, 2], [3, 4, 5]], [(2, 2), (2, 2)]))
+  step = jd.parallelize(models.lm_step(jd.value_and_grad), method=method)
+  exe = step.get_executable(make(), batch)
+  first = exe.stages[0]
+  assert first.note.startswith("per shard of the batch over ('mesh_0',)"), first.note
+  kernel = next(k for k, p in enumerate(first.operands)
+                if path_matches("*block_1*Dense_0*kernel*", exe._operand_paths[p]))
+  assert first.operand_avals[kernel].sharding.spec == P(None, "mesh_1")
+  row = first.grad_avals[first.diff.index(kernel)]
+  assert row.shape[0] == 2 and row.sharding.spec == P("mesh_0", None, "mesh_1"), row
+  assert first.reduce is not None
+  p1, n1 = exe(make(), batch)
+  assert_trees_close((to_host((p1, n1)), to_host(exe(p1, batch))), _serial_twice(),
+                     rtol=1e-5, atol=1e-6)
+
+
 def test_pipeline_with_aux_and_a_batch_slice_outside_the_loss():
   data = models.regression_batch(32, 16)
   model = models.MLP(hidden=32, num_layers=4)

@@ -34,7 +34,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxdist import jaxpr_util, rng
+from jaxdist import accumulate, jaxpr_util, rng
 from jaxdist.pipeline import capture
 from jaxdist.pipeline.partition import Stage, stage_functions
 
@@ -49,6 +49,9 @@ class PerDeviceStage:
     loss: the per-device trace's loss.
     stage: the stage in it (operands, activations in and out in the micro stage's order).
     operands, acts_in, acts_out: per value, (kind, split dimension or None).
+    num_shards: the parts a micro-batch is split into.
+    axes: the mesh axes it is split over (the programs are manual over them), or empty:
+      over all axes, one part per device.
   """
 
   loss: capture.CapturedLoss
@@ -56,6 +59,8 @@ class PerDeviceStage:
   operands: tuple
   acts_in: tuple
   acts_out: tuple
+  num_shards: int = 1
+  axes: tuple = ()
 
 
 def _kind(micro_var, device_var, n: int, from_batch: bool, is_output: bool):
@@ -130,7 +135,7 @@ def per_device_stage(loss: capture.CapturedLoss, device_loss: capture.CapturedLo
   device_stage = dataclasses.replace(stage, eqns=ids, acts_in=tuple(acts_in),
                                      acts_out=tuple(acts_out), draws=draws)
   return PerDeviceStage(device_loss, device_stage, kinds["operands"], kinds["acts_in"],
-                        kinds["acts_out"])
+                        kinds["acts_out"], n)
 
 
 def _spec(kind, axes) -> PartitionSpec:
@@ -139,19 +144,59 @@ def _spec(kind, axes) -> PartitionSpec:
   return PartitionSpec(*([None] * kind[1]), axes)
 
 
-def programs(pd: PerDeviceStage, mesh, frozen: frozenset = frozenset(), indexed: bool = False):
+def _planned(fun, plan, axes, sizes):
+  """``fun`` traced on its arguments' shapes and evaluated with ``plan``'s constraints on
+  the equations that line up with the planned program's (batch axes dropped)."""
+  planned = plan.step.closed_jaxpr.jaxpr.eqns
+  layout = plan.layout
+
+  def run(*args):
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+    closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*shapes)
+    eqns, ids = closed.jaxpr.eqns, range(len(closed.jaxpr.eqns))
+    after = jaxpr_util.constraint_hook(None, accumulate.localize(
+        planned, eqns, ids, layout.eqn_constraints or {}, axes, sizes))
+    before = jaxpr_util.operand_hook(None, accumulate.localize(
+        planned, eqns, ids, layout.operand_constraints or {}, axes, sizes, operands=True))
+    env = dict(zip(closed.jaxpr.constvars, closed.consts))
+    env.update(zip(closed.jaxpr.invars, jax.tree.leaves(args)))
+    jaxpr_util.eval_eqns(closed.jaxpr, env, after=after, before=before)
+    return jax.tree.unflatten(jax.tree.structure(out_shape),
+                              [jaxpr_util.read(env, v) for v in closed.jaxpr.outvars])
+
+  return run
+
+
+def without_axes(spec: PartitionSpec, axes) -> PartitionSpec:
+  """``spec`` with the mesh ``axes`` removed from every dimension."""
+  def keep(entry):
+    names = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,))
+                  if a is not None and a not in axes)
+    return None if not names else names[0] if len(names) == 1 else names
+  return PartitionSpec(*(keep(e) for e in spec))
+
+
+def programs(pd: PerDeviceStage, mesh, frozen: frozenset = frozenset(), indexed: bool = False,
+             plan=None):
   """The stage's forward and backward as functions of global values, per device inside.
 
   The backward's accumulator has a leading dimension of one row per device; ``frozen``:
   loss operand positions not differentiated. ``indexed``: both take a list holding the
-  micro-batch index last (device ``d`` of micro-batch ``b`` draws part ``b · n + d`` of
-  the whole batch's random bits); else an empty list.
+  micro-batch index last (shard ``d`` of micro-batch ``b`` draws part ``b · n + d`` of
+  the whole batch's random bits); else an empty list. Manual over ``pd.axes`` (all axes
+  if empty): the other axes are partitioned by XLA, with ``plan``'s constraints (the
+  stage's shard-plan result for its backward program) carried over to the equations of
+  each shard's programs, as for accumulation (``accumulate.localize``).
   """
-  axes = tuple(mesh.axis_names)
-  n = mesh.devices.size
+  axes = tuple(pd.axes or mesh.axis_names)
+  n = pd.num_shards
   part = lambda index: index * n + jax.lax.axis_index(axes)
   forward, backward, diff, float_in, float_out = stage_functions(pd.loss, pd.stage,
                                                                  frozen=frozen, part=part)
+  if plan is not None and set(axes) != set(mesh.axis_names):
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    forward = _planned(forward, plan, axes, sizes)
+    backward = _planned(backward, plan, axes, sizes)
   op_specs = [_spec(k, axes) for k in pd.operands]
   in_specs = [_spec(k, axes) for k in pd.acts_in]
   out_specs = [_spec(k, axes) for k in pd.acts_out]
@@ -178,11 +223,12 @@ def programs(pd: PerDeviceStage, mesh, frozen: frozenset = frozenset(), indexed:
     return [s[None] for s in sums], act_cots
 
   index_specs = [PartitionSpec()] if indexed else []
+  manual = {"axis_names": set(axes)} if set(axes) != set(mesh.axis_names) else {}
   mapped_forward = jax.shard_map(
       local_forward, mesh=mesh, in_specs=(op_specs, in_specs, index_specs), out_specs=out_specs,
-      check_vma=False)
+      check_vma=False, **manual)
   mapped_backward = jax.shard_map(
-      local_backward, mesh=mesh,
+      local_backward, mesh=mesh, **manual,
       in_specs=(op_specs, in_specs, [out_specs[p] for p in float_out], [row] * len(diff),
                 index_specs),
       out_specs=([row] * len(diff), [in_specs[p] for p in float_in]), check_vma=False)

@@ -317,8 +317,10 @@ class PipelineExecutable:
     if not compile:
       for stage in self.stages:
         self._plan_backward(stage, option)
-        if not isinstance(self._per_device(stage), str):  # gradients summed replicated
-          stage.grad_homes = [NamedSharding(stage.mesh.mesh, PartitionSpec())] * len(stage.diff)
+        pd = self._per_device(stage)
+        if not isinstance(pd, str):  # gradients summed once, as the plan lays them out
+          stage.grad_homes = [NamedSharding(stage.mesh.mesh, self._summed_spec(pd, g.sharding.spec))
+                              for g in stage.grad_avals]
         stage.grad_homes = stage.grad_homes or [g.sharding for g in stage.grad_avals]
       self._compile_programs()
       return
@@ -714,7 +716,10 @@ class PipelineExecutable:
         stage.backward = compile_layout(bwd.result.step, bwd.result.layout)
         stage.objectives = (fwd.result.objective, bwd.result.objective)
       else:
-        stage.note = "data parallel per device, gradients reduced once per step"
+        stage.note = ("data parallel per device, gradients reduced once per step"
+                      if set(per_device.axes) == set(stage.mesh.axis_names) else
+                      f"per shard of the batch over {per_device.axes}, the other axes as "
+                      f"planned; gradients reduced once per step")
         self._compile_per_device(stage, per_device, fwd_step)
         stage.objectives = (None, bwd.result.objective)
       stage.grad_homes = stage.grad_homes or [g.sharding for g in stage.grad_avals]
@@ -745,11 +750,13 @@ class PipelineExecutable:
 
   def _per_device(self, stage: Stage):
     """The stage's per-device form (``per_device.PerDeviceStage``), or why it has none."""
-    n = stage.mesh.num_devices
-    if self._retrace is None or n == 1:
-      return "one device" if n == 1 else "no per-device trace"
-    if not all(stage.operand_avals[p].sharding.is_fully_replicated for p in stage.diff):
-      return "its plan shards parameters"
+    if self._retrace is None or stage.mesh.num_devices == 1:
+      return "one device" if stage.mesh.num_devices == 1 else "no per-device trace"
+    axes = self._batch_axes(stage)
+    if isinstance(axes, str):
+      return axes
+    sizes = dict(zip(stage.mesh.axis_names, stage.mesh.shape))
+    n = math.prod(sizes[a] for a in axes)
     jaxpr = self._step.closed_jaxpr.jaxpr
     sizes = {v.aval.shape[0] for v, b in zip(jaxpr.eqns[self._index].invars, self._batch_operand)
              if b}
@@ -766,22 +773,59 @@ class PipelineExecutable:
       self._device_losses[n] = found[0].params["loss"] if len(found) == 1 else None
     if self._device_losses[n] is None:
       return "the per-device trace has no single loss equation"
-    return per_device.per_device_stage(self._loss, self._device_losses[n], stage,
-                                       self._batch_operand, n, self._whole, self._k * n)
+    pd = per_device.per_device_stage(self._loss, self._device_losses[n], stage,
+                                     self._batch_operand, n, self._whole, self._k * n)
+    return pd if isinstance(pd, str) else dataclasses.replace(pd, axes=axes)
+
+  def _batch_axes(self, stage: Stage) -> tuple[str, ...] | str:
+    """The axes the stage's backward plan splits the micro-batch over (dim 0 of its batch
+    operands and activations), or why it has none that its gradients could be summed over
+    once per step: the other axes stay as planned (model parallel). With its parameters
+    replicated, all axes: each device runs its share."""
+    if all(stage.operand_avals[p].sharding.is_fully_replicated for p in stage.diff):
+      return tuple(stage.mesh.axis_names)
+    batch = [a for p, a in zip(stage.operands, stage.operand_avals) if self._batch_operand[p]]
+    dims = {tuple(a.sharding.spec[0]) if isinstance(a.sharding.spec[0], tuple)
+            else (a.sharding.spec[0],) if a.sharding.spec[0] else ()
+            for a in batch + list(stage.in_avals) if a.shape and len(a.sharding.spec)}
+    if len(dims) != 1 or not next(iter(dims)):
+      return ("its plan splits no batch dimension" if dims == {()} else
+              "its plan splits the batch of its inputs over different axes")
+    axes = next(iter(dims))
+    for p in stage.diff:
+      spec = stage.operand_avals[p].sharding.spec
+      if any(a in axes for entry in spec if entry for a in (
+          entry if isinstance(entry, tuple) else (entry,))):
+        return "its plan shards parameters over the batch axes (as ZeRO-3 does)"
+    return axes
+
+  @staticmethod
+  def _summed_spec(pd, planned: PartitionSpec) -> PartitionSpec:
+    """Where a per-shard stage's gradient lives once summed: as planned on the axes that
+    do not split the batch, replicated over those that do."""
+    return per_device.without_axes(planned, pd.axes)
 
   def _compile_per_device(self, stage: Stage, pd, fwd_step):
     forward, backward, op_sh, in_sh, out_sh, row = per_device.programs(
-        pd, stage.mesh.mesh, self._frozen, self._indexed)
-    n, n_ops, num_diff = stage.mesh.num_devices, len(stage.operands), len(stage.diff)
+        pd, stage.mesh.mesh, self._frozen, self._indexed, stage.backward_plan)
+    n, n_ops, num_diff = pd.num_shards, len(stage.operands), len(stage.diff)
     placed = lambda avals, shardings: [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
                                        for a, sh in zip(avals, shardings)]
-    stage.operand_avals = placed(stage.operand_avals, op_sh)
-    stage.in_avals = placed(stage.in_avals, in_sh)
+    mesh = stage.mesh.mesh
+    manual = set(pd.axes) == set(mesh.axis_names)
+    # All axes per device: everything as the per-device programs lay it out. Batch axes
+    # only: operands and gradients keep the plan's layout on the other axes.
+    planned_grads = [g.sharding.spec for g in stage.grad_avals]
+    if manual:
+      stage.operand_avals = placed(stage.operand_avals, op_sh)
+      stage.in_avals = placed(stage.in_avals, in_sh)
     stage.out_avals = placed(fwd_step.out_avals, out_sh)
     stage.cot_avals = [stage.out_avals[p] for p in stage.float_out]
-    stage.grad_homes = [NamedSharding(stage.mesh.mesh, PartitionSpec())] * num_diff
-    stage.grad_avals = [jax.ShapeDtypeStruct((n,) + g.shape, g.dtype, sharding=row)
-                        for g in stage.grad_avals]
+    homes = [self._summed_spec(pd, spec) for spec in planned_grads]
+    stage.grad_homes = [NamedSharding(mesh, spec) for spec in homes]
+    stage.grad_avals = [jax.ShapeDtypeStruct(
+        (n,) + g.shape, g.dtype, sharding=NamedSharding(mesh, PartitionSpec(*row.spec, *spec)))
+        for g, spec in zip(stage.grad_avals, homes)]
     n_in, n_cots = len(stage.in_avals), len(stage.cot_avals)
     stage.index_aval = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(
         stage.mesh.mesh, PartitionSpec())) if self._indexed else None
@@ -804,7 +848,8 @@ class PipelineExecutable:
     accumulator = tuple(range(n_ops + n_in + n_cots, n_ops + n_in + n_cots + num_diff))
     stage.backward = jax.jit(
         flat_backward, donate_argnums=accumulator,
-        out_shardings=(*[row] * num_diff, *[in_sh[p] for p in stage.float_in])).lower(
+        out_shardings=(*[g.sharding for g in stage.grad_avals],
+                       *[stage.in_avals[p].sharding for p in stage.float_in])).lower(
             *stage.operand_avals, *stage.in_avals, *stage.cot_avals, *stage.grad_avals,
             *index).compile()
     stage.reduce = jax.jit(lambda *rows: [r.sum(0) for r in rows],
