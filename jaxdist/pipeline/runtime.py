@@ -606,7 +606,7 @@ class PipelineExecutable:
     """A note on the stage's random draws not found as part of a whole-batch draw (in a
     scan, say): each draws the same bits in every micro-batch (empty if none)."""
     own = jaxpr_util.count_primitive(loss_jaxpr, "random_bits", stage.eqns) - rng.count(stage.draws)
-    return (f"; {own} random draw(s) not matched to rows of a whole-batch draw draw the same "
+    return (f"; {own} random draw(s) not found as part of a whole-batch draw give the same "
             f"bits in every micro-batch (right only for draws not per example)") if own else ""
 
   @functools.cached_property

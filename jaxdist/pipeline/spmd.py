@@ -236,7 +236,8 @@ def plan(method: m.PipeshardParallel, step: TracedStep, lmesh: LogicalMesh, inde
   normalizer = coupling.normalizer_of(loss_jaxpr.eqns, loss_jaxpr.outvars[0],
                                       set(loss_jaxpr.invars[loss.num_consts:]))
   # The traces at the two sizes have the same equations, one for one.
-  whole_body = loss_jaxpr if stack.scan is None else loss_jaxpr.eqns[stack.scan].params["jaxpr"].jaxpr
+  whole_body = (loss_jaxpr if stack.scan is None
+                else loss_jaxpr.eqns[stack.scan].params["jaxpr"].jaxpr)
   same = lambda eqns: {i: i for i in range(len(eqns))}
   draws = rng.partial_draws(body.eqns, whole_body.eqns, same(body.eqns), stack.template, k * d)
   head_draws = rng.partial_draws(local.eqns, loss_jaxpr.eqns, same(local.eqns),
