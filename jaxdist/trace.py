@@ -215,7 +215,12 @@ def _trace_flat(fun, args, dyn_argnums, in_tree, flat_args):
         "out" + tree_util.keystr(p) for p, _ in tree_util.tree_flatten_with_path(out)[0])
     return out_leaves
 
-  closed = jax.make_jaxpr(flat_fun)(*flat_args)
+  # Traced on shapes and dtypes alone: arrays placed by an earlier step carry their mesh
+  # into the jaxpr's types (a scan's results), which inside a shard_map over that mesh
+  # would clash with its manual axes.
+  closed = jax.make_jaxpr(flat_fun)(*[
+      jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False))
+      if isinstance(x, jax.Array) else x for x in flat_args])
   marker_index = None
   num_markers = jaxpr_util.count_primitive(closed.jaxpr, grad_marker_p.name)
   if num_markers:

@@ -138,9 +138,11 @@ class _Dropout(nn.Module):
   def __call__(self, x):
     for layer in range(2):  # the second rematerialized: its draws sit in its body
       x = (nn.remat(_DenseDropout) if layer == 1 else _DenseDropout)()(x)
-    scan = nn.scan(_ScannedDropout, variable_axes={"params": 0}, length=2,
+    # Draws in a scan body, rematerialized as transformer stacks are (the second step is
+    # traced on arrays the first placed: their mesh must not reach the jaxpr's types).
+    scan = nn.scan(nn.remat(_ScannedDropout), variable_axes={"params": 0}, length=2,
                    split_rngs={"params": True, "dropout": True})
-    x, _ = scan()(x, None)  # draws in a scan body
+    x, _ = scan()(x, None)
     return nn.Dense(8)(x)
 
 
@@ -315,3 +317,47 @@ def test_an_aux_batch_dimension_other_than_dim_0_is_rejected():
 
   with pytest.raises(errors.InvalidArgumentError, match=r"aux.*\(8, 64\).*must be dim 0"):
     jd.parallelize(step, method=jd.DataParallel(num_micro_batches=2))(make(), batch)
+
+
+class _ResidualBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    return x + nn.Dense(32)(nn.gelu(nn.Dense(64)(x))), None
+
+
+class _ScannedRematStack(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(32)(x)
+    x, _ = nn.scan(nn.remat(_ResidualBlock), variable_axes={"params": 0}, length=3,
+                   split_rngs={"params": True})()(x, None)
+    return nn.Dense(8)(x)
+
+
+def test_a_scanned_remat_stack_is_traced_again_on_the_arrays_it_placed():
+  """A new static argument (here the step number; a train flag, another batch size)
+  traces the step again, on the arrays the first step placed: their mesh reached the
+  jaxpr's types through a scan of rematerialized blocks, and evaluating it per device
+  (inside shard_map) failed with 'Mesh for all inputs should be equal'."""
+  model, data = _ScannedRematStack(), models.regression_batch(32, 8)
+  params = model.init(jax.random.key(0), data["x"])
+  tx = optax.adam(1e-3)
+
+  def step_fn(value_and_grad):
+    def step(params, opt_state, batch, number):
+      loss, g = value_and_grad(
+          lambda p: jnp.mean((model.apply(p, batch["x"]) - batch["y"]) ** 2))(params)
+      loss = loss + 0 * number
+      updates, opt_state = tx.update(g, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+  def twice(step):
+    p, o, first = step(params, tx.init(params), data, 0)
+    return to_host(first), to_host(step(p, o, data, 1))
+
+  expected = twice(jax.jit(step_fn(jax.value_and_grad), static_argnums=3))
+  step = jd.parallelize(step_fn(jd.value_and_grad), method=jd.DataParallel(),
+                        batch_argnums=(2,))
+  assert_trees_close(twice(step), expected, rtol=1e-5, atol=1e-6)
