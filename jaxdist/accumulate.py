@@ -85,6 +85,22 @@ def _heavy_batch_work(jaxpr, ids, step: TracedStep) -> bool:
   return False
 
 
+def per_example_outputs(step: TracedStep) -> tuple[bool, ...]:
+  """Per output of the gradient marker: an aux output whose dim 0 is the batch (smaller in
+  the micro-batch trace, the other dims alike), concatenated rather than averaged."""
+  full = step.closed_jaxpr.jaxpr.eqns[step.marker_index]
+  if step.micro_jaxpr is None:  # not traced at the micro-batch size (yet): dim 0 the batch
+    return tuple(kind == "aux" and bool(v.aval.shape) and v.aval.shape[0] == step.batch_size
+                 for kind, v in zip(full.params["kinds"], full.invars))
+  micro = step.micro_jaxpr.jaxpr.eqns[step.micro_marker_index]
+  out = []
+  for kind, u, v in zip(full.params["kinds"], micro.invars, full.invars):
+    shape, local = tuple(v.aval.shape), tuple(u.aval.shape)
+    out.append(kind == "aux" and bool(shape) and len(shape) == len(local)
+               and shape[1:] == local[1:] and shape[0] != local[0] and shape[0] % local[0] == 0)
+  return tuple(out)
+
+
 def split_at_marker(step: TracedStep) -> GradSplit:
   """Finds the gradient and apply parts of ``step`` (which must have one marker)."""
   jaxpr = step.closed_jaxpr.jaxpr
@@ -104,13 +120,11 @@ def split_at_marker(step: TracedStep) -> GradSplit:
     grad_closed, grad_marker = step.micro_jaxpr, step.micro_marker_index
   grad_marker_eqn = grad_closed.jaxpr.eqns[grad_marker]
   kinds = tuple(marker_eqn.params["kinds"])
-  per_example = []
-  for kind, micro, full in zip(kinds, grad_marker_eqn.invars, marker_eqn.invars):
+  per_example = per_example_outputs(step)
+  for kind, micro, full, each in zip(kinds, grad_marker_eqn.invars, marker_eqn.invars,
+                                     per_example):
     shape, local = tuple(full.aval.shape), tuple(micro.aval.shape)
-    per_example.append(kind == "aux" and bool(shape) and len(shape) == len(local)
-                       and shape[1:] == local[1:] and shape[0] != local[0]
-                       and shape[0] % local[0] == 0)
-    if shape != local and not per_example[-1]:
+    if shape != local and not each:
       raise errors.InvalidArgumentError(
           f"a {kind} output of jaxdist.value_and_grad has shape {shape} on the whole batch but "
           f"{local} on one micro-batch shard: "

@@ -303,6 +303,12 @@ def test_per_example_aux_comes_back_in_batch_order(method):
   expected = _two_steps(jax.jit(step_fn(jax.value_and_grad)), make(), batch)
   step = jd.parallelize(step_fn(jd.value_and_grad), method=method)
   assert_trees_close(_two_steps(step, make(), batch), expected, rtol=1e-5, atol=1e-6)
+  if isinstance(method, jd.ShardParallel):  # the rows are not reduced: none predicted
+    exe = step.get_executable(make(), batch)
+    predicted, compiled = exe.plan.predicted_collectives, exe.communication()
+    assert set(predicted) == set(compiled), (predicted, compiled)
+    for kind, c in compiled.items():
+      assert abs(predicted[kind]["result_bytes"] - c.result_bytes) <= 0.1 * c.result_bytes
 
 
 def test_an_aux_batch_dimension_other_than_dim_0_is_rejected():

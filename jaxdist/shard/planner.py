@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxdist import agree
+from jaxdist.accumulate import per_example_outputs
 from jaxdist import errors
 from jaxdist import jaxpr_util
 from jaxdist import methods as m
@@ -472,9 +473,9 @@ def _micro_batch_predictions(step: TracedStep, plan: MeshPlan, layout: Layout, k
       axes_of=axes_of, at_source=lambda node: node not in varies)
   reductions = {}
   producer = {id(o): i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
-  for v, spec in zip(marker.invars, layout.grad_reduce_specs):
-    if isinstance(v, jex.Literal) or not _produced(v, graph) or shards == 1:
-      continue
+  for v, spec, each in zip(marker.invars, layout.grad_reduce_specs, per_example_outputs(step)):
+    if isinstance(v, jex.Literal) or not _produced(v, graph) or shards == 1 or each:
+      continue  # (a per-example aux is concatenated where it is: no reduction)
     local = tuple(tuple(a for a in axes if a not in batch) for axes in graph.spec_of(v, choice))
     nbytes_ = nbytes(v) / num_shards(local, sizes)
     # A gradient constrained to a split over other axes is all-reduced on its shards and
