@@ -17,7 +17,7 @@ from jaxdist import follow
 from jaxdist import jaxpr_util
 from jaxdist import methods as m
 from jaxdist.executable import Executable, allocation_bytes, compile_layout, make_plan
-from jaxdist.layouts import data_parallel_layout
+from jaxdist.layouts import check_batch_divisible, data_parallel_layout
 from jaxdist.mesh import LogicalMesh
 from jaxdist.pipeline import capture
 from jaxdist.pipeline import spmd
@@ -345,6 +345,7 @@ class ParallelizedFunc:
       step = trace_step(self.fun, args, static, self.batch_argnums, self.donate_argnums)
       step = dataclasses.replace(step, closed_jaxpr=jaxpr_util.inline_calls(step.closed_jaxpr))
       k = self.method.num_micro_batches or 1
+      check_batch_divisible(step, k, f"{k} micro-batches")
       step = (dataclasses.replace(step, micro_jaxpr=step.closed_jaxpr) if k == 1 else
               with_micro_batch_trace(self.fun, args, static, step, k, jaxpr_util.CALLS))
     if request is not None:
