@@ -69,7 +69,7 @@ class GradSplit:
   per_example: tuple[bool, ...] = ()
 
 
-HEAVY = ("dot_general", "conv_general_dilated")
+_HEAVY = ("dot_general", "conv_general_dilated")
 
 
 def _heavy_batch_work(jaxpr, ids, step: TracedStep) -> bool:
@@ -79,7 +79,7 @@ def _heavy_batch_work(jaxpr, ids, step: TracedStep) -> bool:
   for i in sorted(ids):
     eqn = jaxpr.eqns[i]
     if any(not isinstance(v, jex.Literal) and v in tainted for v in eqn.invars):
-      if any(jaxpr_util.count_primitive(jaxpr, name, [i]) for name in HEAVY):
+      if any(jaxpr_util.count_primitive(jaxpr, name, [i]) for name in _HEAVY):
         return True
       tainted.update(eqn.outvars)
   return False

@@ -345,7 +345,7 @@ class ParallelizedFunc:
       step = trace_step(self.fun, args, static, self.batch_argnums, self.donate_argnums)
       step = dataclasses.replace(step, closed_jaxpr=jaxpr_util.inline_calls(step.closed_jaxpr))
       k = self.method.num_micro_batches or 1
-      check_batch_divisible(step, k, f"{k} micro-batches")
+      check_batch_divisible(step, 1, "")  # a scalar batch leaf (divisibility: per runtime)
       step = (dataclasses.replace(step, micro_jaxpr=step.closed_jaxpr) if k == 1 else
               with_micro_batch_trace(self.fun, args, static, step, k, jaxpr_util.CALLS))
     if request is not None:
