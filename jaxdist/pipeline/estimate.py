@@ -62,7 +62,7 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
     planned = Planned(result.step, result.step, result.layout, result, (), {})
     est = estimate_planned(method, planned, None, calibrated, exe._lmesh.devices)
     per_device = exe._per_device(st)
-    if isinstance(per_device, str) or set(per_device.axes) != set(st.mesh.axis_names):
+    if isinstance(per_device, str) or per_device.axes:
       # (per shard of the batch, the other axes as planned: the plan's figures hold)
       part = dict(est.breakdown)
       part["grads"] += part.pop("optimizer")  # the backward's donated gradient accumulator

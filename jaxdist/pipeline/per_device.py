@@ -37,6 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxdist import accumulate, jaxpr_util, rng
 from jaxdist.pipeline import capture
 from jaxdist.pipeline.partition import Stage, stage_functions
+from jaxdist.shard.specs import from_partition_spec, to_partition_spec
 
 SPLIT, REPLICATED, LOSS_OUTPUT = "split", "replicated", "loss output"
 
@@ -169,11 +170,8 @@ def _planned(fun, plan, axes, sizes):
 
 def without_axes(spec: PartitionSpec, axes) -> PartitionSpec:
   """``spec`` with the mesh ``axes`` removed from every dimension."""
-  def keep(entry):
-    names = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,))
-                  if a is not None and a not in axes)
-    return None if not names else names[0] if len(names) == 1 else names
-  return PartitionSpec(*(keep(e) for e in spec))
+  return to_partition_spec(tuple(tuple(a for a in dim if a not in axes)
+                                 for dim in from_partition_spec(spec, len(spec))))
 
 
 def programs(pd: PerDeviceStage, mesh, frozen: frozenset = frozenset(), indexed: bool = False,
@@ -193,7 +191,7 @@ def programs(pd: PerDeviceStage, mesh, frozen: frozenset = frozenset(), indexed:
   part = lambda index: index * n + jax.lax.axis_index(axes)
   forward, backward, diff, float_in, float_out = stage_functions(pd.loss, pd.stage,
                                                                  frozen=frozen, part=part)
-  if plan is not None and set(axes) != set(mesh.axis_names):
+  if plan is not None and pd.axes:
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
     forward = _planned(forward, plan, axes, sizes)
     backward = _planned(backward, plan, axes, sizes)
@@ -223,7 +221,7 @@ def programs(pd: PerDeviceStage, mesh, frozen: frozenset = frozenset(), indexed:
     return [s[None] for s in sums], act_cots
 
   index_specs = [PartitionSpec()] if indexed else []
-  manual = {"axis_names": set(axes)} if set(axes) != set(mesh.axis_names) else {}
+  manual = {"axis_names": set(axes)} if pd.axes else {}
   mapped_forward = jax.shard_map(
       local_forward, mesh=mesh, in_specs=(op_specs, in_specs, index_specs), out_specs=out_specs,
       check_vma=False, **manual)

@@ -64,6 +64,7 @@ from jaxdist.pipeline import capture, layers as layers_mod, per_device, stage_sh
 from jaxdist.pipeline.schedule import BACKWARD, FORWARD, Schedule, make_schedule
 from jaxdist.pipeline.partition import Stage, build_stages, stage_functions
 from jaxdist.plan import Plan, PlanEntry
+from jaxdist.shard.specs import from_partition_spec, used_axes
 from jaxdist.trace import BATCH, INPUT, OPTIMIZER, PARAM, TracedStep
 
 
@@ -252,7 +253,6 @@ class PipelineExecutable:
     self._retrace, self._device_losses, self._constants = retrace, {}, {}
     self._index = loss_equation(jaxpr)
     eqn = jaxpr.eqns[self._index]
-    self._result_avals = [v.aval for v in eqn.outvars]
     k = self._k = method.num_micro_batches or 1
     # Stages run the loss as traced at micro-batch size (shapes are baked into a jaxpr).
     micro = [e for e in step.micro_jaxpr.jaxpr.eqns if e.primitive is capture.pipeline_loss_p]
@@ -717,7 +717,7 @@ class PipelineExecutable:
         stage.objectives = (fwd.result.objective, bwd.result.objective)
       else:
         stage.note = ("data parallel per device, gradients reduced once per step"
-                      if set(per_device.axes) == set(stage.mesh.axis_names) else
+                      if not per_device.axes else
                       f"per shard of the batch over {per_device.axes}, the other axes as "
                       f"planned; gradients reduced once per step")
         self._compile_per_device(stage, per_device, fwd_step)
@@ -755,8 +755,8 @@ class PipelineExecutable:
     axes = self._batch_axes(stage)
     if isinstance(axes, str):
       return axes
-    sizes = dict(zip(stage.mesh.axis_names, stage.mesh.shape))
-    n = math.prod(sizes[a] for a in axes)
+    axis_sizes = dict(zip(stage.mesh.axis_names, stage.mesh.shape))
+    n = math.prod(axis_sizes[a] for a in axes) if axes else stage.mesh.num_devices
     jaxpr = self._step.closed_jaxpr.jaxpr
     sizes = {v.aval.shape[0] for v, b in zip(jaxpr.eqns[self._index].invars, self._batch_operand)
              if b}
@@ -780,30 +780,28 @@ class PipelineExecutable:
   def _batch_axes(self, stage: Stage) -> tuple[str, ...] | str:
     """The axes the stage's backward plan splits the micro-batch over (dim 0 of its batch
     operands and activations), or why it has none that its gradients could be summed over
-    once per step: the other axes stay as planned (model parallel). With its parameters
-    replicated, all axes: each device runs its share."""
+    once per step: the other axes stay as planned (model parallel). Empty with its
+    parameters replicated: every axis, each device runs its share."""
     if all(stage.operand_avals[p].sharding.is_fully_replicated for p in stage.diff):
-      return tuple(stage.mesh.axis_names)
+      return ()
     batch = [a for p, a in zip(stage.operands, stage.operand_avals) if self._batch_operand[p]]
-    dims = {tuple(a.sharding.spec[0]) if isinstance(a.sharding.spec[0], tuple)
-            else (a.sharding.spec[0],) if a.sharding.spec[0] else ()
-            for a in batch + list(stage.in_avals) if a.shape and len(a.sharding.spec)}
-    if len(dims) != 1 or not next(iter(dims)):
-      return ("its plan splits no batch dimension" if dims == {()} else
-              "its plan splits the batch of its inputs over different axes")
+    dims = {from_partition_spec(a.sharding.spec, len(a.shape))[0]
+            for a in batch + list(stage.in_avals) if a.shape} - {()}
+    if len(dims) != 1:
+      return ("its plan splits the batch of its inputs over different axes" if dims else
+              "its plan splits no batch dimension")
     axes = next(iter(dims))
-    for p in stage.diff:
-      spec = stage.operand_avals[p].sharding.spec
-      if any(a in axes for entry in spec if entry for a in (
-          entry if isinstance(entry, tuple) else (entry,))):
-        return "its plan shards parameters over the batch axes (as ZeRO-3 does)"
+    if any(used_axes(from_partition_spec(stage.operand_avals[p].sharding.spec,
+                                         len(stage.operand_avals[p].shape))) & set(axes)
+           for p in stage.diff):
+      return "its plan shards parameters over the batch axes (as ZeRO-3 does)"
     return axes
 
   @staticmethod
   def _summed_spec(pd, planned: PartitionSpec) -> PartitionSpec:
-    """Where a per-shard stage's gradient lives once summed: as planned on the axes that
-    do not split the batch, replicated over those that do."""
-    return per_device.without_axes(planned, pd.axes)
+    """Where a per-shard stage's gradient lives once summed: replicated over the axes that
+    split the batch (all of them for a per-device stage), as planned on the others."""
+    return per_device.without_axes(planned, pd.axes) if pd.axes else PartitionSpec()
 
   def _compile_per_device(self, stage: Stage, pd, fwd_step):
     forward, backward, op_sh, in_sh, out_sh, row = per_device.programs(
@@ -812,7 +810,7 @@ class PipelineExecutable:
     placed = lambda avals, shardings: [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
                                        for a, sh in zip(avals, shardings)]
     mesh = stage.mesh.mesh
-    manual = set(pd.axes) == set(mesh.axis_names)
+    manual = not pd.axes
     # All axes per device: everything as the per-device programs lay it out. Batch axes
     # only: operands and gradients keep the plan's layout on the other axes.
     planned_grads = [g.sharding.spec for g in stage.grad_avals]
@@ -828,7 +826,7 @@ class PipelineExecutable:
         for g, spec in zip(stage.grad_avals, homes)]
     n_in, n_cots = len(stage.in_avals), len(stage.cot_avals)
     stage.index_aval = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(
-        stage.mesh.mesh, PartitionSpec())) if self._indexed else None
+        mesh, PartitionSpec())) if self._indexed else None
     index = [stage.index_aval] if self._indexed else []
     stage.note += self._own_bits(pd.loss.closed.jaxpr, pd.stage)
 
@@ -995,7 +993,7 @@ class PipelineExecutable:
                        else move(np.zeros(v.aval.shape, v.aval.dtype), home[pos]))
         continue
       parts = [move(outputs[b, i], self._result_homes[i]) for b in range(k)]
-      if kind == capture.AUX and parts[0].shape != self._result_avals[i].shape:
+      if kind == capture.AUX and parts[0].shape != self._whole.outvars[i].aval.shape:
         results.append(jnp.concatenate(parts))  # per example (logits): in batch order
         continue
       if kind == capture.VALUE and shares is not None:
