@@ -19,15 +19,19 @@ shared with the producer, which keeps the ILP small) or a list of :class:`Strate
   the strategies that leave an axis computing redundantly are dropped (Alpa's
   ``allow_recompute_heavy_op=False``): replicating a matmul wastes the devices it runs
   on, a cost the α-β model would otherwise miss for small tensors;
+- stack / unstack: follow, the stacked dim unsplit; tile like slicing;
 - gather: indices split on a batch dim, operand replicated; scatter-add: updates split
-  on a batch dim, the partial sums all-reduced;
+  on a batch dim, the partial sums all-reduced; every scatter (set, add, mul, min, max):
+  the operand's passthrough dims (window dims no index reaches) split alike in operand,
+  updates and output, the indices replicated;
 - iota: any spec at no cost;
 - random_bits from one key (dropout masks): any spec, the key replicated: jax's
   partitionable threefry gives every element the same bits whatever the layout;
   threefry2x32 on arrays (``jaxdist.rng`` draws a part of a batch's bits) and
   random_clone (``nn.scan``'s split keys): elementwise;
 - bitcast_convert_type between types of one width: elementwise;
-- while, cond, scan and the other RNG primitives: replicated;
+- while, cond, scan, top_k (XLA gathers its operand) and the other RNG primitives:
+  replicated;
 - anything else: replicated, with one warning naming the primitive.
 """
 
@@ -89,9 +93,13 @@ CUMULATIVE = frozenset("cumsum cumprod cummax cummin cumlogsumexp".split())
 # Pooling and its gradients: split anywhere but along the dims a window spans.
 WINDOWED = frozenset("reduce_window_sum reduce_window_max reduce_window_min reduce_window "
                      "select_and_scatter_add select_and_gather_add".split())
+SCATTERS = frozenset("scatter scatter-mul scatter_mul scatter-min scatter_min scatter-max "
+                      "scatter_max".split())
+# top_k: XLA's partitioner gathers its operand whole, whatever its split (measured on
+# 2-, 3- and 4-D operands split on dim 0), so planning it replicated is what compiles.
 REPLICATE_QUIETLY = frozenset("while cond scan random_bits random_seed random_wrap random_unwrap "
                               "random_split random_fold_in rng_bit_generator "
-                              "rng_uniform".split())
+                              "rng_uniform top_k".split())
 
 
 def _shape(v):
@@ -161,15 +169,19 @@ def rule_for(eqn, cost_model: CostModel, produced: Callable,
   if name in ("reshape", "squeeze", "expand_dims"):
     return _reshape(eqn, sizes)
   if name in ("slice", "pad", "rev", "dynamic_slice", "dynamic_update_slice", "concatenate",
-              "split", "sort", "fft") or name in CUMULATIVE or name in WINDOWED:
+              "split", "sort", "fft", "tile") or name in CUMULATIVE or name in WINDOWED:
     return _touching(eqn, sizes)
+  if name in ("stack", "unstack"):
+    return _stacking(eqn)
   if name == "iota":
     shape = _shape(eqn.outvars[0])
     return [Strategy("iota", (s,), (), 0.0) for s in enumerate_specs(shape, sizes)]
   if name == "gather":
     return _gather(eqn, sizes)
   if name in ("scatter-add", "scatter_add"):
-    return _scatter_add(eqn, cost_model)
+    return _scatter_add(eqn, cost_model) + _scatter_passthrough(eqn, sizes)
+  if name in SCATTERS:
+    return Follow(0, _scatter_mapper(eqn))
   if name == "conv_general_dilated":
     return _conv(eqn, cost_model)
   if name in REPLICATE_QUIETLY:
@@ -371,6 +383,20 @@ def _touching(eqn, sizes) -> Follow:
 _DOT_CACHE: dict = {}
 
 
+def _stacking(eqn) -> Follow:
+  """stack: the new dim unsplit, the pieces' splits kept; unstack: its inverse (the
+  unstacked dim unsplit)."""
+  axis = eqn.params["axis"]
+  if eqn.primitive.name == "stack":
+    def mapper(spec):
+      return Strategy("stack", (spec[:axis] + ((),) + spec[axis:],), (spec,) * len(eqn.invars))
+  else:
+    def mapper(spec):
+      spec = _unsplit(spec, {axis})
+      return Strategy("unstack", (spec[:axis] + spec[axis + 1:],) * len(eqn.outvars), (spec,))
+  return Follow(0, mapper)
+
+
 def _dot_general(eqn, cost_model: CostModel) -> list[Strategy]:
   lhs, rhs = eqn.invars
   out = eqn.outvars[0]
@@ -508,6 +534,45 @@ def _scatter_add(eqn, cost_model: CostModel) -> list[Strategy]:
                                (tuple(op), ispec, tuple(u)) + (None,) * (len(eqn.invars) - 3),
                                sum(cost_model.collective(*c) for c in comm), comm))
   return strategies
+
+
+def _scatter_dims(eqn):
+  """A scatter's passthrough dims: operand dim → updates dim, for the window dims every
+  update covers whole (no index reaches them), and for paired batching dims."""
+  dnums = eqn.params["dimension_numbers"]
+  operand, indices, updates = eqn.invars[:3]
+  os_, us = _shape(operand), _shape(updates)
+  skipped = set(dnums.inserted_window_dims) | set(getattr(dnums, "operand_batching_dims", ()))
+  windowed = [d for d in range(len(os_)) if d not in skipped]
+  through = {d: u for d, u in zip(windowed, dnums.update_window_dims)
+             if us[u] == os_[d] and d not in set(dnums.scatter_dims_to_operand_dims)}
+  return through, len(_shape(indices)), len(us)
+
+
+def _scatter_mapper(eqn):
+  """Scatter (set, multiply, min, max): each device updates its own slice of the
+  operand's passthrough dims; the indices are replicated; nothing is communicated."""
+  through, idx_rank, upd_rank = _scatter_dims(eqn)
+
+  def mapper(spec):
+    spec = tuple(s if d in through else () for d, s in enumerate(spec))
+    upd = [()] * upd_rank
+    for d, u in through.items():
+      upd[u] = spec[d]
+    return Strategy(eqn.primitive.name, (spec,),
+                    (spec, replicated(idx_rank), tuple(upd)) + (None,) * (len(eqn.invars) - 3))
+
+  return mapper
+
+
+def _scatter_passthrough(eqn, sizes) -> list[Strategy]:
+  """:func:`_scatter_mapper`'s strategies for every split of the passthrough dims (a
+  scatter-add whose indices have no batch dim, ``x.at[:, 0].add(v)``)."""
+  through, _, _ = _scatter_dims(eqn)
+  shape = _shape(eqn.invars[0])
+  mapper = _scatter_mapper(eqn)
+  return [mapper(s) for s in enumerate_specs(shape, sizes)
+          if any(s) and all(not a for d, a in enumerate(s) if d not in through)]
 
 
 def _describe_short(spec) -> str:
