@@ -16,7 +16,11 @@ with each iteration's values at their per-iteration size.
 
 XLA:CPU stores the bf16 / f16 values it writes between fusions as f32, rounded (the
 optimized module's ``convert(convert(x))`` pairs and f32 fusion outputs), so on that
-backend such a buffer takes twice its dtype's bytes (``platform="cpu"``).
+backend such a buffer takes twice its dtype's bytes (``platform="cpu"``). XLA:CPU also
+expands a max-pool's gradient (``select_and_scatter_add``) into gathers and scatters over
+index arrays: while it runs, one s32 iota per operand dim over the operand and one s32
+index per source element and operand dim are alive (measured on a conv net's pooled
+activations: four s32 copies of the operand and four of the source at the peak).
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ class Timeline:
   """
 
   def __init__(self, jaxpr, size: Callable[[object], float] = nbytes, platform: str | None = None):
+    base = size
     if platform == "cpu":
       size = _widened(size)
     self.eqns, self._rename = _linear(jaxpr)
@@ -101,8 +106,10 @@ class Timeline:
     for i, (eqn, ins, outs) in enumerate(self.eqns):
       self.position[id(eqn)] = i
       if eqn.primitive.name in LOOPS:
-        self.extra[i] = max((Timeline(sub, size).peak().bytes
+        self.extra[i] = max((Timeline(sub, base, platform).peak().bytes
                              for sub in jex.jaxprs_in_params(eqn.params)), default=0.0)
+      elif eqn.primitive.name == "select_and_scatter_add" and platform == "cpu":
+        self.extra[i] = _expanded_indices(eqn, base)
       if eqn.primitive.name in BITCASTS or fused[i]:
         continue
       for o in outs:
@@ -141,6 +148,16 @@ def _widened(size: Callable[[object], float]) -> Callable[[object], float]:
     half = dtype is not None and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2
     return size(v) * 2 if half else size(v)
   return widened
+
+
+def _expanded_indices(eqn, size: Callable[[object], float]) -> float:
+  """Bytes of the s32 index arrays XLA:CPU builds for ``select_and_scatter_add(source,
+  operand)``: a rank-long index per element of the operand (iotas) and of the source."""
+  total = 0.0
+  for v in eqn.invars[:2]:
+    elements = size(v) / max(v.aval.dtype.itemsize, 1)
+    total += 4 * len(v.aval.shape) * elements
+  return total
 
 
 def _fused(eqn, outs, readers, outputs) -> bool:
