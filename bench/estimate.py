@@ -8,8 +8,10 @@ uniform stages, 1F1B and GPipe, per stage.
 
 Memory: the estimate against the compiled step's arguments + outputs - donated +
 temporaries (XLA's memory analysis of the same plan). Goal: the worst row within 10%
-(the issue's; goal 5%). Time of the estimate (after the shared trace) against the
-compile: goal under 10%.
+(the issue's; goal 5%). Time: the estimate's own analysis (``Estimate.timings["estimate_s"]``)
+against XLA's lowering and compile of the same step: goal under 10%. Tracing and planning
+come before both (an estimate of the same ``jaxdist.parallelize``d step hands its plan to
+the compile that follows) and are printed on their own.
 Step time: after jd.calibrate() on these devices, the estimate against the measured median
 of 5 steps. Goal: within 25%.
 Run: python bench/estimate.py
@@ -46,7 +48,7 @@ def mlp(k):
 def memory_table():
   print(f"memory per device on {jax.device_count()} devices: estimate vs compiled (MB)")
   print(f"{'model':<5} {'method':<14} {'k':>2} {'recompute':<9} {'estimate':>9} "
-        f"{'compiled':>9} {'ratio':>6} {'est s':>6} {'compile s':>9}")
+        f"{'compiled':>9} {'ratio':>6} {'trace+plan s':>12} {'est s':>6} {'XLA s':>6}")
   worst, slowest = 0.0, 0.0
   for name, workload in (("mlp", mlp), ("gpt", gpt)):
     for cls in METHODS:
@@ -54,22 +56,21 @@ def memory_table():
         for recompute in (False, True):
           step, state, batch, modules = workload(k)
           method = cls(num_micro_batches=k, recompute_modules=modules if recompute else None)
-          start = time.perf_counter()
           est = jd.estimate(step, state, batch, method=method)
-          est_s = time.perf_counter() - start
-          start = time.perf_counter()
+          est_s = est.timings["estimate_s"]
+          shared_s = est.timings["trace_s"] + est.timings["plan_s"]
           exe = jd.parallelize(step, method=method).get_executable(state, batch)
-          compile_s = time.perf_counter() - start
+          compile_s = exe.timings["lower_s"] + exe.timings["compile_s"]
           compiled = exe.get_total_allocation_size()
           ratio = est.memory_per_device / compiled
           worst = max(worst, abs(ratio - 1))
           slowest = max(slowest, est_s / compile_s)
           print(f"{name:<5} {est.method:<14} {k:>2} {'yes' if recompute else 'no':<9} "
                 f"{est.memory_per_device / 1e6:9.2f} {compiled / 1e6:9.2f} {ratio:6.3f} "
-                f"{est_s:6.2f} {compile_s:9.2f}", flush=True)
+                f"{shared_s:12.2f} {est_s:6.2f} {compile_s:6.2f}", flush=True)
   print(f"worst memory error {worst:.1%} (goal 10%): {common.verdict(worst <= 0.10)}")
-  print(f"estimate / (trace + plan + compile) at most {slowest:.2f} (goal 0.10; the estimate "
-        f"traces and plans too): {common.verdict(slowest <= 0.10)}")
+  print(f"estimate / XLA lowering + compile at most {slowest:.2f} (goal 0.10): "
+        f"{common.verdict(slowest <= 0.10)}")
 
 
 def pipeline_table():

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import time
 import warnings
 from typing import Any
 
@@ -76,6 +77,11 @@ class Estimate:
       are the stage with the largest memory_per_device; times are the pipelined step's).
     compiled_collectives: with ``compile=True``: the compiled step's collectives, as
       ``collectives`` (kind → count, result bytes); else None.
+    timings: seconds by phase: ``trace_s`` and ``plan_s`` (the step traced and planned,
+      work a compile of the same step repeats or, for the same ``jaxdist.parallelize``d
+      function, reuses), ``estimate_s`` (this estimate's own analysis), and with
+      ``compile=True`` ``lower_s`` and ``compile_s`` (XLA's). A pipeline's stages are
+      planned inside ``estimate_s``.
   """
 
   method: str
@@ -93,6 +99,7 @@ class Estimate:
   approximate: bool = False
   stages: tuple = ()
   compiled_collectives: dict[str, dict[str, float]] | None = None
+  timings: dict[str, float] = dataclasses.field(default_factory=dict)
 
   def summary(self) -> str:
     mib = 2.0**20
@@ -187,15 +194,19 @@ def estimate(step, *args, method: m.Method | None = None, compile: bool = False,
   else:
     func = parallelize(step, method=method)
   method = func.method
+  start = time.perf_counter()
   if isinstance(method, m.PipeshardParallel):
     from jaxdist.pipeline.estimate import estimate_pipeline
-    return estimate_pipeline(func, args, compile, calibrated)
+    est = estimate_pipeline(func, args, compile, calibrated)
+    return dataclasses.replace(est, timings={"estimate_s": time.perf_counter() - start})
   planned = func.planned(*args)
+  start = time.perf_counter()
   est = estimate_planned(method, planned, lambda: _micro_step(func, planned, args), calibrated)
+  timings = dict(planned.timings, estimate_s=time.perf_counter() - start)
   if compile:
-    figures, collectives = _compiled_figures(planned)
+    figures, collectives = _compiled_figures(planned, timings)
     est = dataclasses.replace(est, compiled=figures, compiled_collectives=collectives)
-  return est
+  return dataclasses.replace(est, timings=timings)
 
 
 def estimate_planned(method: m.Method, planned, micro_step, calibrated: bool = True,
@@ -583,11 +594,12 @@ def _default_costs(lmesh) -> bool:
   return set(lmesh.alpha) == {alpha} and set(lmesh.beta) == {beta}
 
 
-def _compiled_figures(planned) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
-  """XLA's memory figures and collectives of the planned step."""
+def _compiled_figures(planned, timings=None) -> tuple[dict, dict[str, dict[str, float]]]:
+  """XLA's memory figures and collectives of the planned step (``timings``: its
+  ``lower_s`` and ``compile_s`` are added)."""
   from jaxdist import inspect as hlo_inspect
   from jaxdist.executable import compile_layout
-  compiled = compile_layout(planned.step, planned.layout)
+  compiled = compile_layout(planned.step, planned.layout, timings)
   ma = compiled.memory_analysis()
   figures = dict(argument=ma.argument_size_in_bytes, output=ma.output_size_in_bytes,
                  alias=ma.alias_size_in_bytes, temp=ma.temp_size_in_bytes)

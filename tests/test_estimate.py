@@ -55,6 +55,8 @@ def test_memory_estimate_matches_the_compiled_step(workload, method, k):
   assert est.memory_per_device == pytest.approx(sum(est.breakdown.values()))
   assert est.step_time_s == pytest.approx(est.compute_s + est.communication_s)
   assert est.flops > 0 and est.plan.method == est.method
+  assert set(est.timings) == {"trace_s", "plan_s", "estimate_s", "lower_s", "compile_s"}
+  assert all(t >= 0 for t in est.timings.values())
   # The collectives it prices are the ones XLA compiled: counts and bytes within 10%.
   none = {"count": 0.0, "result_bytes": 0.0}
   for kind in set(est.collectives) | set(est.compiled_collectives):

@@ -21,9 +21,9 @@ shared with the producer, which keeps the ILP small) or a list of :class:`Strate
   on, a cost the α-β model would otherwise miss for small tensors;
 - stack / unstack: follow, the stacked dim unsplit; tile like slicing;
 - gather: indices split on a batch dim, operand replicated; scatter-add: updates split
-  on a batch dim, the partial sums all-reduced; every scatter (set, add, mul, min, max):
-  the operand's passthrough dims (window dims no index reaches) split alike in operand,
-  updates and output, the indices replicated;
+  on a batch dim, the partial sums all-reduced; a scatter (set, mul, min, max, and add
+  whose indices have no batch dim): the operand's passthrough dims (window dims no index
+  reaches) split alike in operand, updates and output, the indices replicated;
 - iota: any spec at no cost;
 - random_bits from one key (dropout masks): any spec, the key replicated: jax's
   partitionable threefry gives every element the same bits whatever the layout;
@@ -179,7 +179,9 @@ def rule_for(eqn, cost_model: CostModel, produced: Callable,
   if name == "gather":
     return _gather(eqn, sizes)
   if name in ("scatter-add", "scatter_add"):
-    return _scatter_add(eqn, cost_model) + _scatter_passthrough(eqn, sizes)
+    # Indices without a batch dim (x.at[:, 0].add(v)) leave only the passthrough splits.
+    through = _scatter_passthrough(eqn, sizes) if len(_shape(eqn.invars[1])) <= 1 else []
+    return _scatter_add(eqn, cost_model) + through
   if name in SCATTERS:
     return Follow(0, _scatter_mapper(eqn))
   if name == "conv_general_dilated":
@@ -566,8 +568,7 @@ def _scatter_mapper(eqn):
 
 
 def _scatter_passthrough(eqn, sizes) -> list[Strategy]:
-  """:func:`_scatter_mapper`'s strategies for every split of the passthrough dims (a
-  scatter-add whose indices have no batch dim, ``x.at[:, 0].add(v)``)."""
+  """:func:`_scatter_mapper`'s strategies for every split of the passthrough dims."""
   through, _, _ = _scatter_dims(eqn)
   shape = _shape(eqn.invars[0])
   mapper = _scatter_mapper(eqn)
