@@ -6,7 +6,11 @@ last reader. What XLA keeps out of memory is left out:
 - an elementwise (or broadcast) result read by exactly one elementwise op or reduction
   is fused into it (loop and input fusion) and never written; its operands then live
   until that reader;
-- reshapes and markers are bitcasts: their result shares the operand's buffer;
+- reshapes and markers are bitcasts: their result shares the operand's buffer; a
+  transpose read only by dots is folded into them;
+- a scatter or dynamic_update_slice whose operand is read by nothing after it writes
+  into the operand's buffer, and ``x + scatter_add(zeros, ...)`` scatters into ``x``'s
+  (XLA's simplifier folds the zeros away);
 - the step's inputs are arguments and its outputs are written into output buffers, so
   neither is a temporary.
 
@@ -39,6 +43,8 @@ FUSING_READERS = FUSIBLE | REDUCTIONS | {"reshape", "squeeze", "expand_dims", "t
 BITCASTS = frozenset({"reshape", "squeeze", "expand_dims", *jaxpr_util.MARKERS})
 CALLS = frozenset({*jaxpr_util.PLAN_CALLS, "remat", "checkpoint", "custom_lin"})
 LOOPS = frozenset({"scan", "while", "cond"})
+IN_PLACE = frozenset({"scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter-min",
+                      "scatter-max", "dynamic_update_slice"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +106,20 @@ class Timeline:
     for v, i in last.items():
       b = self._owner.get(v, v)
       end[b] = max(end.get(b, -1), i)
+    # A scatter or dynamic_update_slice whose operand nothing reads afterwards updates
+    # the operand's buffer in place (XLA's buffer assignment shares them).
+    for i, (eqn, ins, outs) in enumerate(self.eqns):
+      if eqn.primitive.name not in IN_PLACE or not ins:
+        continue
+      b, o = self._owner.get(ins[0], ins[0]), outs[0]
+      if b in inputs or b in outputs or end.get(b, -1) != i or o in outputs:
+        continue
+      for k, owner in list(self._owner.items()):
+        if owner == o:
+          self._owner[k] = b
+      self._owner[o] = b
+      end[b] = max(end.get(o, i), i)
+    elided = self._fold_scatters_into_sums(readers, end, inputs, outputs)
     self.buffers: dict = {}
     self.extra = [0.0] * n
     self.position: dict = {}
@@ -113,9 +133,41 @@ class Timeline:
       if eqn.primitive.name in BITCASTS or fused[i]:
         continue
       for o in outs:
+        if o in self._owner or o in elided:  # updated in place, or never written
+          continue
         if isinstance(o, jex.DropVar) or o in outputs or o in inputs:
           continue
         self.buffers[o] = [i, max(end.get(o, i), i), size(o)]
+
+  def _fold_scatters_into_sums(self, readers, end, inputs, outputs) -> set:
+    """``x + scatter_add(zeros, i, u)`` (a cross entropy's gradient through
+    ``take_along_axis``) is ``scatter_add(x, i, u)`` after XLA's simplifier: the sum
+    updates ``x``'s buffer in place where nothing reads ``x`` afterwards, and the zeros
+    are never written. Returns the buffers that are never written."""
+    made = {o: (eqn, ins) for eqn, ins, outs in self.eqns for o in outs}
+    elided = set()
+    for i, (eqn, ins, outs) in enumerate(self.eqns):
+      if eqn.primitive.name not in ("add", "add_any") or len(ins) != 2:
+        continue
+      for scattered, other in ((ins[0], ins[1]), (ins[1], ins[0])):
+        source = made.get(scattered)
+        if (source is None or source[0].primitive.name not in ("scatter-add", "scatter_add")
+            or len(readers.get(scattered, ())) != 1
+            or scattered.aval.shape != other.aval.shape):
+          continue
+        zeros = self._owner.get(scattered)
+        init = made.get(zeros, (None,))[0]
+        if (init is None or init.primitive.name != "broadcast_in_dim"
+            or not isinstance(init.invars[0], jex.Literal) or init.invars[0].val != 0):
+          continue
+        b = self._owner.get(other, other)
+        if b in inputs or b in outputs or end.get(b, -1) != i or outs[0] in outputs:
+          continue
+        elided.add(zeros)
+        self._owner[outs[0]] = b
+        end[b] = max(end.get(outs[0], i), i)
+        break
+    return elided
 
   def buffer_of(self, v):
     """The buffer holding variable ``v`` (through calls and bitcasts)."""
@@ -165,9 +217,12 @@ def _fused(eqn, outs, readers, outputs) -> bool:
   elementwise op (or broadcast) read by exactly one op that fuses its operands. A value
   read more than once is written once (measured on the CPU backend: a GPT's residual
   stream and GELU values, read by the next layer and by the backward, are buffers)."""
+  names = [r for o in outs for r in readers.get(o, ())]
+  if (eqn.primitive.name == "transpose" and names and not any(o in outputs for o in outs)
+      and all(r == "dot_general" for r in names)):
+    return True  # folded into the dots' dimension numbers (XLA's transpose folding)
   if eqn.primitive.name not in FUSIBLE or any(o in outputs for o in outs):
     return False
-  names = [r for o in outs for r in readers.get(o, ())]
   return len(names) <= 1 and all(r in FUSING_READERS for r in names)
 
 
