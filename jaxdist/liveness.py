@@ -144,19 +144,19 @@ class Timeline:
     ``take_along_axis``) is ``scatter_add(x, i, u)`` after XLA's simplifier: the sum
     updates ``x``'s buffer in place where nothing reads ``x`` afterwards, and the zeros
     are never written. Returns the buffers that are never written."""
-    made = {o: (eqn, ins) for eqn, ins, outs in self.eqns for o in outs}
+    made = {o: eqn for eqn, _, outs in self.eqns for o in outs}
     elided = set()
     for i, (eqn, ins, outs) in enumerate(self.eqns):
       if eqn.primitive.name not in ("add", "add_any") or len(ins) != 2:
         continue
       for scattered, other in ((ins[0], ins[1]), (ins[1], ins[0])):
         source = made.get(scattered)
-        if (source is None or source[0].primitive.name not in ("scatter-add", "scatter_add")
+        if (source is None or source.primitive.name not in ("scatter-add", "scatter_add")
             or len(readers.get(scattered, ())) != 1
             or scattered.aval.shape != other.aval.shape):
           continue
         zeros = self._owner.get(scattered)
-        init = made.get(zeros, (None,))[0]
+        init = made.get(zeros)
         if (init is None or init.primitive.name != "broadcast_in_dim"
             or not isinstance(init.invars[0], jex.Literal) or init.invars[0].val != 0):
           continue

@@ -94,7 +94,7 @@ CUMULATIVE = frozenset("cumsum cumprod cummax cummin cumlogsumexp".split())
 WINDOWED = frozenset("reduce_window_sum reduce_window_max reduce_window_min reduce_window "
                      "select_and_scatter_add select_and_gather_add".split())
 SCATTERS = frozenset("scatter scatter-mul scatter_mul scatter-min scatter_min scatter-max "
-                      "scatter_max".split())
+                     "scatter_max".split())
 # top_k: XLA's partitioner gathers its operand whole, whatever its split (measured on
 # 2-, 3- and 4-D operands split on dim 0), so planning it replicated is what compiles.
 REPLICATE_QUIETLY = frozenset("while cond scan random_bits random_seed random_wrap random_unwrap "
@@ -539,8 +539,8 @@ def _scatter_add(eqn, cost_model: CostModel) -> list[Strategy]:
 
 
 def _scatter_dims(eqn):
-  """A scatter's passthrough dims: operand dim → updates dim, for the window dims every
-  update covers whole (no index reaches them), and for paired batching dims."""
+  """A scatter's passthrough dims (operand dim → updates dim: the window dims every update
+  covers whole, which no index reaches), the rank of its indices and of its updates."""
   dnums = eqn.params["dimension_numbers"]
   operand, indices, updates = eqn.invars[:3]
   os_, us = _shape(operand), _shape(updates)
