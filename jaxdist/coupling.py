@@ -106,6 +106,16 @@ def loss_normalizer(jaxpr, marker_index: int, params: set):
   return normalizer_of(jaxpr.eqns[:marker_index], values[0], params) if len(values) == 1 else None
 
 
+def token_weighted(step: TracedStep) -> bool:
+  """Whether the step's loss is a token-weighted mean (:func:`loss_normalizer`): with
+  ``jaxdist.grad``, the devices' token counts are then summed (one scalar all-reduce)
+  before the gradients are divided by them and reduced."""
+  if step.marker_index is None:
+    return False
+  jaxpr = step.closed_jaxpr.jaxpr
+  return loss_normalizer(jaxpr, step.marker_index, _param_vars(step, jaxpr)) is not None
+
+
 def padding_guard(jaxpr):
   """A ``before`` hook for ``jaxpr_util.eval_eqns`` on a loss ``jaxpr`` whose value is a
   token-weighted ``n / d`` (:func:`normalizer_of`): the division takes a ``d`` of 0 as 1,

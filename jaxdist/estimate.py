@@ -34,6 +34,7 @@ from jaxdist import calibration
 from jaxdist import jaxpr_util
 from jaxdist import methods as m
 from jaxdist.accumulate import split_at_marker
+from jaxdist.coupling import token_weighted
 from jaxdist.grad import GRAD
 from jaxdist.liveness import Timeline
 from jaxdist.mesh import LogicalMesh, device_costs
@@ -418,24 +419,28 @@ def _data_parallel_collectives(method, traced, layout, lmesh):
   that kind."""
   if lmesh.num_devices == 1:
     return {}
-  combining = combining_for(lmesh.devices[0].platform).kinds
+  combining = combining_for(lmesh.devices[0].platform)
   out = {}
 
   def add(kind, sizes, result_bytes):
     if sizes:
-      count = 1.0 if kind in combining else float(len(sizes))
-      out[kind] = {"count": count, "result_bytes": float(result_bytes)}
+      entry = out.setdefault(kind, {"count": 0.0, "result_bytes": 0.0})
+      entry["count"] += float(combining.count(kind, sizes))
+      entry["result_bytes"] += float(result_bytes)
 
   params = [l for l in traced.inputs if l.role == PARAM]
   if layout.grad_reduce_specs is not None and traced.marker_index is not None:
     marker = traced.closed_jaxpr.jaxpr.eqns[traced.marker_index]
-    reduced = [nbytes(v) for v, s in zip(marker.invars, layout.grad_reduce_specs) if s is None]
+    reduced = [combining.all_reduce_bytes(nbytes(v), v.aval.dtype)
+               for v, s in zip(marker.invars, layout.grad_reduce_specs) if s is None]
+    add("all-reduce", reduced, sum(reduced))
+    if token_weighted(traced):  # the token counts, summed before the gradients' reduction
+      add("all-reduce", [4.0], 4.0)
     scattered = [nbytes(v) for v, s in zip(marker.invars, layout.grad_reduce_specs)
                  if s is not None]
-    add("all-reduce", reduced, sum(reduced))
     add("reduce-scatter", scattered, sum(scattered) / lmesh.num_devices)
   else:
-    sizes = [_bytes(l.shape, l.dtype) for l in params]
+    sizes = [combining.all_reduce_bytes(_bytes(l.shape, l.dtype), l.dtype) for l in params]
     add("all-reduce", sizes, sum(sizes))
   if isinstance(method, m.Zero2Parallel):
     sizes = [_bytes(l.shape, l.dtype) for l in params]

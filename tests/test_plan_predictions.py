@@ -94,6 +94,19 @@ def test_predictions_with_micro_batches(workload, shape, k):
   _assert_predicted_as_compiled(exe)
 
 
+def test_bf16_gradients_are_reduced_as_the_cpu_backend_promotes_them():
+  """XLA:CPU all-reduces bf16 gradients in f32 (twice the bytes), in an op apart from the
+  f32 loss's: predicted as one op of the bf16 bytes, it was half of what compiled."""
+  step, state, batch = _mlp(jd.value_and_grad)
+  state = state.replace(params=jax.tree.map(lambda p: p.astype(jnp.bfloat16), state.params))
+  exe = jd.parallelize(step, method=jd.ShardParallel(
+      devices=_mesh((8,), H100), num_micro_batches=2)).get_executable(state, batch)
+  _assert_predicted_as_compiled(exe)
+  est = jd.estimate(step, state, batch, method=jd.DataParallel(), compile=True)
+  assert est.collectives == {k: {"count": c["count"], "result_bytes": pytest.approx(
+      c["result_bytes"], rel=1e-4)} for k, c in est.compiled_collectives.items()}, est.summary()
+
+
 def test_an_argmax_over_a_split_dim_gathers_the_candidates():
   """Accuracy (an argmax over the classes) with the classes split over "model": XLA takes
   each shard's best (value, index) and all-gathers both; the plan priced an all-reduce."""

@@ -29,7 +29,7 @@ from jaxdist import errors
 from jaxdist import jaxpr_util
 from jaxdist import methods as m
 from jaxdist import progress
-from jaxdist.coupling import batch_coupling
+from jaxdist.coupling import batch_coupling, token_weighted
 from jaxdist.layouts import Layout, check_batch_divisible, uses_marker
 from jaxdist.mesh import LogicalMesh
 from jaxdist.shard import cache, combine
@@ -481,8 +481,11 @@ def _micro_batch_predictions(step: TracedStep, plan: MeshPlan, layout: Layout, k
     # A gradient constrained to a split over other axes is all-reduced on its shards and
     # sliced, not reduce-scattered (as jaxdist.accumulate does).
     split_inside = producer.get(id(v)) in layout.eqn_constraints and any(local)
-    kind = "all-reduce" if spec is None or split_inside else "reduce-scatter"
-    reductions.setdefault(kind, []).append(nbytes_ if kind == "all-reduce" else nbytes_ / shards)
+    if spec is None or split_inside:
+      reductions.setdefault("all-reduce", []).append(
+          cost_model.combining.all_reduce_bytes(nbytes_, v.aval.dtype))
+    else:
+      reductions.setdefault("reduce-scatter", []).append(nbytes_ / shards)
   # A parameter split over a batch axis enters the region gathered over it, once.
   read = {v for e in jaxpr.eqns if id(e) in looped for v in e.invars
           if not isinstance(v, jex.Literal)}
@@ -491,14 +494,16 @@ def _micro_batch_predictions(step: TracedStep, plan: MeshPlan, layout: Layout, k
         a in batch for axes in spec for a in axes):
       local = tuple(tuple(a for a in axes if a not in batch) for axes in spec)
       reductions.setdefault("all-gather", []).append(nbytes(v) / num_shards(local, sizes))
-  combining = cost_model.combining
   for kind, sizes_ in reductions.items():
-    count = (max(1, math.ceil(sum(sizes_) / combining.threshold_bytes),
-                 math.ceil(len(sizes_) / combining.threshold_count))
-             if kind in combining.kinds else len(sizes_))
     entry = predicted.setdefault(kind, {"count": 0, "result_bytes": 0.0})
-    entry["count"] += count
+    entry["count"] += cost_model.combining.count(kind, sizes_)
     entry["result_bytes"] += sum(sizes_)
+  if shards > 1 and token_weighted(step):
+    # The micro-batches' token counts are summed first (the gradients are divided by it
+    # before their reduction, so it is an op of its own).
+    entry = predicted.setdefault("all-reduce", {"count": 0, "result_bytes": 0.0})
+    entry["count"] += 1
+    entry["result_bytes"] += 4.0
   return predicted
 
 
