@@ -429,24 +429,25 @@ def _data_parallel_collectives(method, traced, layout, lmesh):
       entry["result_bytes"] += float(result_bytes)
 
   params = [l for l in traced.inputs if l.role == PARAM]
+  moved = lambda b, dtype: combining.collective_bytes(b, dtype)  # 16-bit as f32 on CPU
   if layout.grad_reduce_specs is not None and traced.marker_index is not None:
     marker = traced.closed_jaxpr.jaxpr.eqns[traced.marker_index]
-    reduced = [combining.all_reduce_bytes(nbytes(v), v.aval.dtype)
+    reduced = [moved(nbytes(v), v.aval.dtype)
                for v, s in zip(marker.invars, layout.grad_reduce_specs) if s is None]
     add("all-reduce", reduced, sum(reduced))
     if token_weighted(traced):  # the token counts, summed before the gradients' reduction
       add("all-reduce", [4.0], 4.0)
-    scattered = [nbytes(v) for v, s in zip(marker.invars, layout.grad_reduce_specs)
-                 if s is not None]
+    scattered = [moved(nbytes(v), v.aval.dtype)
+                 for v, s in zip(marker.invars, layout.grad_reduce_specs) if s is not None]
     add("reduce-scatter", scattered, sum(scattered) / lmesh.num_devices)
   else:
-    sizes = [combining.all_reduce_bytes(_bytes(l.shape, l.dtype), l.dtype) for l in params]
+    sizes = [moved(_bytes(l.shape, l.dtype), l.dtype) for l in params]
     add("all-reduce", sizes, sum(sizes))
   if isinstance(method, m.Zero2Parallel):
-    sizes = [_bytes(l.shape, l.dtype) for l in params]
+    sizes = [moved(_bytes(l.shape, l.dtype), l.dtype) for l in params]
     add("all-gather", sizes, sum(sizes))
   if isinstance(method, m.Zero3Parallel):
-    sizes = [_bytes(l.shape, l.dtype) for l, n in _gathers(traced, layout, lmesh)
+    sizes = [moved(_bytes(l.shape, l.dtype), l.dtype) for l, n in _gathers(traced, layout, lmesh)
              for _ in range(n)]
     add("all-gather", sizes, sum(sizes))
   return out

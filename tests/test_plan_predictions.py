@@ -94,9 +94,15 @@ def test_predictions_with_micro_batches(workload, shape, k):
   _assert_predicted_as_compiled(exe)
 
 
-def test_bf16_gradients_are_reduced_as_the_cpu_backend_promotes_them():
-  """XLA:CPU all-reduces bf16 gradients in f32 (twice the bytes), in an op apart from the
-  f32 loss's: predicted as one op of the bf16 bytes, it was half of what compiled."""
+def test_bf16_values_move_as_the_cpu_backend_promotes_them():
+  """XLA:CPU runs collectives of bf16 values in f32 (twice the bytes): the gradients'
+  reduction after a micro-batch loop (predicted at half the compiled bytes before) and
+  the collectives a plan places (a gather of bf16 values: half, before)."""
+  tokens = jax.random.randint(jax.random.key(0), (16, 17), 0, 64)
+  state = models.create_state(_RotaryLM(), tokens[:, :-1], tx=optax.sgd(0.1))
+  state = state.replace(params=jax.tree.map(lambda p: p.astype(jnp.bfloat16), state.params))
+  _assert_predicted_as_compiled(jd.parallelize(models.lm_step(), method=jd.ShardParallel(
+      devices=_mesh((2, 4), {}))).get_executable(state, {"tokens": tokens}))
   step, state, batch = _mlp(jd.value_and_grad)
   state = state.replace(params=jax.tree.map(lambda p: p.astype(jnp.bfloat16), state.params))
   exe = jd.parallelize(step, method=jd.ShardParallel(

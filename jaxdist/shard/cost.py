@@ -41,14 +41,14 @@ DISALLOWED_S = 1e3
 
 @dataclasses.dataclass(frozen=True)
 class Combining:
-  """What XLA's collective combiners merge on one backend.
+  """What XLA's collective combiners merge on one backend (and the types they move).
 
   Attributes:
     kinds: collective kinds whose independent instances over the same devices XLA merges
       into one op (``all-reduce``, ``all-gather``, ``reduce-scatter``).
     threshold_bytes: largest combined op in bytes (XLA starts a new one beyond it).
     threshold_count: largest number of operands of one combined op.
-    promotes_half: all-reduces of 16-bit floats run in f32 (XLA:CPU).
+    promotes_half: collectives of 16-bit floats run in f32 (XLA:CPU).
   """
 
   kinds: frozenset = frozenset()
@@ -56,9 +56,9 @@ class Combining:
   threshold_count: int = 256
   promotes_half: bool = False
 
-  def all_reduce_bytes(self, nbytes: float, dtype) -> float:
-    """Result bytes of an all-reduce of a value of ``nbytes`` and ``dtype`` as the backend
-    runs it: with ``promotes_half`` (XLA:CPU) a 16-bit float is reduced in f32."""
+  def collective_bytes(self, nbytes: float, dtype) -> float:
+    """Result bytes of a collective on a value of ``nbytes`` and ``dtype`` as the backend
+    runs it: with ``promotes_half`` (XLA:CPU) a 16-bit float moves as f32."""
     half = jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 2
     return 2 * nbytes if self.promotes_half and half else nbytes
 
@@ -71,8 +71,8 @@ class Combining:
 
 
 # XLA's defaults (jax 0.10.2 / its XLA): the CPU compiler runs only the all-reduce combiner,
-# with no byte limit and 256 operands per op, and reduces bf16 / f16 in f32 (measured: a
-# bf16 model's gradients all-reduced in one op of f32 operands); the GPU
+# with no byte limit and 256 operands per op, and moves bf16 / f16 values as f32 (measured:
+# all-reduces, all-gathers and all-to-alls of bf16 values compile with f32 operands); the GPU
 # compiler combines all-reduce, all-gather and reduce-scatter up to 30 MiB each
 # (xla_gpu_*_combine_threshold_bytes);
 # TPU combines the same three kinds (its thresholds are not public; 30 MiB assumed).

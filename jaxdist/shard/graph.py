@@ -50,9 +50,9 @@ class Flow:
   """A value flowing from node ``src`` (its output ``pos``) into node ``dst``.
 
   ``required``: per choice of ``dst``'s group, the spec ``dst`` needs (None: any);
-  ``full_bytes``: the value's unsharded size; ``tied``: a donated output flowing back to
-  the input it updates (a constraint between steps, not a data dependency); ``operand``:
-  which operand of ``dst``'s equation the value is.
+  ``full_bytes``: the value's unsharded size (``dtype``: its type); ``tied``: a donated
+  output flowing back to the input it updates (a constraint between steps, not a data
+  dependency); ``operand``: which operand of ``dst``'s equation the value is.
   """
 
   src: int
@@ -62,6 +62,7 @@ class Flow:
   full_bytes: float
   tied: bool = False
   operand: int | None = None
+  dtype: object = None
 
 
 @dataclasses.dataclass
@@ -98,7 +99,10 @@ class StrategyGraph:
     (XLA computes it once)."""
     out = []
     for k, node in enumerate(self.nodes):
-      out += [(k, c) for c in node.strategies[choice[node.group]].collectives]
+      for kind, axes, b in node.strategies[choice[node.group]].collectives:
+        if node.eqn is not None:  # 16-bit floats move as f32 on CPU
+          b = cost_model.combining.collective_bytes(b, node.eqn.outvars[0].aval.dtype)
+        out.append((k, (kind, axes, b)))
     done = set()  # a value resharded to one spec for several consumers moves once (CSE)
     for flow in self.flows:
       want = flow.required[choice[self.nodes[flow.dst].group]]
@@ -107,7 +111,8 @@ class StrategyGraph:
         continue
       done.add((flow.src, flow.pos, want, flow.tied))
       where = flow.src if flow.tied or at_source(flow.src) else flow.dst
-      out += [(where, c) for c in cost_model.reshard_collectives(have, want, flow.full_bytes)]
+      out += [(where, (kind, axes, cost_model.combining.collective_bytes(b, flow.dtype)))
+              for kind, axes, b in cost_model.reshard_collectives(have, want, flow.full_bytes)]
     return out
 
   def spec_of(self, var, choice: list[int]) -> DimAxes:
@@ -216,7 +221,7 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
         continue
       required = [s.in_specs[pos] if pos < len(s.in_specs) else None for s in node.strategies]
       flows.append(Flow(producer[v][0], producer[v][1], node_ids[id(node)], tuple(required),
-                        nbytes(v), operand=pos))
+                        nbytes(v), operand=pos, dtype=v.aval.dtype))
   phase = combine.phases(nodes, flows)
   for out_pos, in_pos in (tied_outputs or {}).items():
     v_out = jaxpr.outvars[out_pos]
@@ -225,7 +230,7 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
     dst_id = producer[jaxpr.invars[in_pos]][0]
     required = tuple(s.out_specs[0] for s in nodes[dst_id].strategies)
     flows.append(Flow(producer[v_out][0], producer[v_out][1], dst_id, required, nbytes(v_out),
-                      tied=True))
+                      tied=True, dtype=v_out.aval.dtype))
 
   fused = _fused_into_consumers(nodes, flows, jaxpr.outvars)
   group_costs = [np.zeros(n) for n in group_sizes]

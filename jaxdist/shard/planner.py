@@ -481,9 +481,9 @@ def _micro_batch_predictions(step: TracedStep, plan: MeshPlan, layout: Layout, k
     # A gradient constrained to a split over other axes is all-reduced on its shards and
     # sliced, not reduce-scattered (as jaxdist.accumulate does).
     split_inside = producer.get(id(v)) in layout.eqn_constraints and any(local)
+    nbytes_ = cost_model.combining.collective_bytes(nbytes_, v.aval.dtype)
     if spec is None or split_inside:
-      reductions.setdefault("all-reduce", []).append(
-          cost_model.combining.all_reduce_bytes(nbytes_, v.aval.dtype))
+      reductions.setdefault("all-reduce", []).append(nbytes_)
     else:
       reductions.setdefault("reduce-scatter", []).append(nbytes_ / shards)
   # A parameter split over a batch axis enters the region gathered over it, once.
@@ -493,7 +493,8 @@ def _micro_batch_predictions(step: TracedStep, plan: MeshPlan, layout: Layout, k
     if v in read and step.inputs[jaxpr.invars.index(v)].role == PARAM and shards > 1 and any(
         a in batch for axes in spec for a in axes):
       local = tuple(tuple(a for a in axes if a not in batch) for axes in spec)
-      reductions.setdefault("all-gather", []).append(nbytes(v) / num_shards(local, sizes))
+      gathered = cost_model.combining.collective_bytes(nbytes(v), v.aval.dtype)
+      reductions.setdefault("all-gather", []).append(gathered / num_shards(local, sizes))
   for kind, sizes_ in reductions.items():
     entry = predicted.setdefault(kind, {"count": 0, "result_bytes": 0.0})
     entry["count"] += cost_model.combining.count(kind, sizes_)
