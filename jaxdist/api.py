@@ -326,7 +326,11 @@ class ParallelizedFunc:
         tighter = method.options.memory_budget_per_device * budget / used * 0.99
         method = dataclasses.replace(method, auto_sharding_option=dataclasses.replace(
             method.options, memory_budget_per_device=tighter))
-    plan = make_plan(self.method.name, step, layout, shard_plan)
+    predicted = None
+    if isinstance(self.method, (m.DataParallel, m.Zero2Parallel, m.Zero3Parallel)):
+      from jaxdist.estimate import fixed_layout_collectives
+      predicted = fixed_layout_collectives(self.method, step, layout, lmesh)
+    plan = make_plan(self.method.name, step, layout, shard_plan, predicted)
     if budget is not None:
       note = (f"memory_budget_per_device={budget:.0f}: compiled {used:.0f} bytes per device"
               + (f" after {attempt} re-plan(s) with a tighter budget" if attempt else ""))

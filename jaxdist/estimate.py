@@ -247,7 +247,7 @@ def estimate_planned(method: m.Method, planned, micro_step, calibrated: bool = T
   if planned.shard_plan is not None:
     collectives = dict(planned.shard_plan.predicted_collectives)
   else:
-    collectives = _data_parallel_collectives(method, planned.step, layout, lmesh)
+    collectives = fixed_layout_collectives(method, planned.step, layout, lmesh)
   breakdown.update(work.temps)
   written = work.written + outputs + sum(breakdown[p] for p in ("params", "optimizer", "batch"))
   profile = calibration.load(profile_devices or lmesh.devices) if calibrated else None
@@ -268,7 +268,8 @@ def estimate_planned(method: m.Method, planned, micro_step, calibrated: bool = T
     notes.append("compute time at the device kind's peak flops and memory bandwidth (no "
                  "calibration profile for these devices: jaxdist.calibrate())")
   from jaxdist.executable import make_plan
-  plan = make_plan(method.name, planned.step, layout, planned.shard_plan)
+  plan = make_plan(method.name, planned.step, layout, planned.shard_plan,
+                   None if planned.shard_plan is not None else collectives)
   return Estimate(method.name, sum(breakdown.values()), breakdown, compute + communication,
                   compute, communication, collectives, plan, tuple(notes), None,
                   work.flops, written, work.approximate and planned.shard_plan is None)
@@ -412,7 +413,7 @@ def _split_step(planned, closed, size=nbytes, gathered_inputs=None):
                and any(l.role == PARAM for l in planned.traced.inputs))
 
 
-def _data_parallel_collectives(method, traced, layout, lmesh):
+def fixed_layout_collectives(method, traced, layout, lmesh):
   """The per-step collectives of the fixed layouts: gradients all-reduced or, where the
   layout reduce-scatters them (ZeRO through ``jaxdist.grad``), reduce-scattered; ZeRO's
   parameters all-gathered. One op per leaf, or one in all where the backend combines
@@ -424,8 +425,8 @@ def _data_parallel_collectives(method, traced, layout, lmesh):
 
   def add(kind, sizes, result_bytes):
     if sizes:
-      entry = out.setdefault(kind, {"count": 0.0, "result_bytes": 0.0})
-      entry["count"] += float(combining.count(kind, sizes))
+      entry = out.setdefault(kind, {"count": 0, "result_bytes": 0.0})
+      entry["count"] += combining.count(kind, sizes)
       entry["result_bytes"] += float(result_bytes)
 
   params = [l for l in traced.inputs if l.role == PARAM]

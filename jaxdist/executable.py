@@ -128,8 +128,9 @@ class Executable:
     Returns one line per collective kind: predicted and compiled count and result bytes
     per step, marked ``DIFFERS`` where either is more than ``tolerance`` apart
     (relative to the larger) or one side has none. The prediction already combines
-    collectives as XLA does (``jaxdist.shard.combine``). Methods without a cost model
-    predict nothing.
+    collectives as XLA does (``jaxdist.shard.combine``). DataParallel and ZeRO predict
+    their layouts' reductions and gathers; scalar reductions an optimizer makes on ZeRO's
+    split state (LAMB's, adafactor's, global-norm clipping's) are not predicted.
     """
     predicted = self.plan.predicted_collectives
     compiled = self.communication()
@@ -161,12 +162,14 @@ def _apart(a: float, b: float, tolerance: float) -> bool:
   return abs(a - b) > tolerance * max(a, b, 1e-12)
 
 
-def make_plan(method_name: str, step: TracedStep, layout: Layout, shard_plan=None) -> Plan:
-  """The plan record of a compiled step (``shard_plan``: the shard planner's result)."""
+def make_plan(method_name: str, step: TracedStep, layout: Layout, shard_plan=None,
+              predicted=None) -> Plan:
+  """The plan record of a compiled step (``shard_plan``: the shard planner's result;
+  ``predicted``: the collectives of a fixed layout, without one)."""
   lmesh = layout.logical_mesh
   entries = tuple(PlanEntry(leaf.path, leaf.shape, str(leaf.dtype), leaf.role, spec)
                   for leaf, spec in zip(step.inputs, layout.in_specs))
-  extra = {}
+  extra = {} if predicted is None else dict(predicted_collectives=dict(predicted))
   if shard_plan is not None:
     extra = dict(objective=shard_plan.objective, mesh_objectives=dict(shard_plan.mesh_objectives),
                  predicted_collectives=dict(shard_plan.predicted_collectives))

@@ -50,8 +50,9 @@ class Plan:
     notes: human-readable remarks, e.g. leaves that could not be sharded.
     objective: the planner's predicted cost in seconds, where it has one.
     mesh_objectives: for planners that search mesh shapes, each shape's objective.
-    predicted_collectives: for the shard planner, kind → {"count", "result_bytes"}
-      per step and device (``Executable.check_communication`` compares them with XLA's).
+    predicted_collectives: kind → {"count", "result_bytes"} per step and device, from the
+      shard planner or a fixed layout's (DataParallel, ZeRO) reductions and gathers
+      (``Executable.check_communication`` compares them with XLA's).
     format_version: the JSON format version.
   """
 

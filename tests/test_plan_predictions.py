@@ -113,6 +113,18 @@ def test_bf16_values_move_as_the_cpu_backend_promotes_them():
       c["result_bytes"], rel=1e-4)} for k, c in est.compiled_collectives.items()}, est.summary()
 
 
+@pytest.mark.parametrize("method", [jd.DataParallel(), jd.Zero2Parallel(),
+                                    jd.Zero3Parallel(num_micro_batches=2)],
+                         ids=["dp", "zero2", "zero3-k2"])
+def test_fixed_layouts_predict_their_collectives(method):
+  """DataParallel and ZeRO plans carry their layouts' reductions and gathers (they had
+  none, so check_communication marked every compiled kind DIFFERS)."""
+  step, state, batch = _mlp(jd.value_and_grad)
+  exe = jd.parallelize(step, method=method).get_executable(state, batch)
+  assert exe.plan.predicted_collectives
+  _assert_predicted_as_compiled(exe)
+
+
 def test_an_argmax_over_a_split_dim_gathers_the_candidates():
   """Accuracy (an argmax over the classes) with the classes split over "model": XLA takes
   each shard's best (value, index) and all-gathers both; the plan priced an all-reduce."""
