@@ -437,7 +437,8 @@ def _assert_planned_by_rules(step, state, batch):
 
 class _RotaryLM(nn.Module):
   """Ops a Llama-style model brings that have their own primitives on jax 0.10: rotary
-  embeddings through jnp.stack (stack, and unstack in the backward), a learned token
+  embeddings through jnp.stack (stack, and unstack in the backward; also a stack of
+  scalars whose first is a literal), a learned token
   written over position 0 (scatter), a position table tiled over the batch (tile), and
   a top-k gate (top_k)."""
 
@@ -454,7 +455,8 @@ class _RotaryLM(nn.Module):
     q = jnp.stack([q1 * cos - q2 * sin, q1 * sin + q2 * cos], -1).reshape(q.shape)
     h = nn.DenseGeneral(32, axis=(-2, -1), name="o")(q)
     gate = jax.lax.top_k(nn.Dense(8)(h), 2)[0].sum(-1, keepdims=True)
-    return nn.Dense(64)(h * jax.nn.sigmoid(gate))
+    scale = jnp.stack([1.0, h.mean()]).sum()  # a literal first piece (it crashed the rule)
+    return nn.Dense(64)(h * jax.nn.sigmoid(gate) * scale)
 
 
 def test_stack_scatter_tile_and_top_k_are_planned_not_replicated():

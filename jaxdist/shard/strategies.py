@@ -172,7 +172,7 @@ def rule_for(eqn, cost_model: CostModel, produced: Callable,
               "split", "sort", "fft", "tile") or name in CUMULATIVE or name in WINDOWED:
     return _touching(eqn, sizes)
   if name in ("stack", "unstack"):
-    return _stacking(eqn)
+    return _stacking(eqn, produced)
   if name == "iota":
     shape = _shape(eqn.outvars[0])
     return [Strategy("iota", (s,), (), 0.0) for s in enumerate_specs(shape, sizes)]
@@ -385,18 +385,22 @@ def _touching(eqn, sizes) -> Follow:
 _DOT_CACHE: dict = {}
 
 
-def _stacking(eqn) -> Follow:
-  """stack: the new dim unsplit, the pieces' splits kept; unstack: its inverse (the
-  unstacked dim unsplit)."""
+def _stacking(eqn, produced: Callable) -> Follow:
+  """stack: follows its first produced piece, the new dim unsplit and every piece split
+  alike (a literal piece is whole everywhere); unstack: its inverse (the unstacked dim
+  unsplit)."""
   axis = eqn.params["axis"]
-  if eqn.primitive.name == "stack":
-    def mapper(spec):
-      return Strategy("stack", (spec[:axis] + ((),) + spec[axis:],), (spec,) * len(eqn.invars))
-  else:
-    def mapper(spec):
+  if eqn.primitive.name == "unstack":
+    def unstack(spec):
       spec = _unsplit(spec, {axis})
       return Strategy("unstack", (spec[:axis] + spec[axis + 1:],) * len(eqn.outvars), (spec,))
-  return Follow(0, mapper)
+    return Follow(0, unstack)
+  pieces = [produced(v) for v in eqn.invars]
+
+  def stack(spec):
+    return Strategy("stack", (spec[:axis] + ((),) + spec[axis:],),
+                    tuple(spec if p else None for p in pieces))
+  return Follow(pieces.index(True), stack)
 
 
 def _dot_general(eqn, cost_model: CostModel) -> list[Strategy]:
