@@ -167,13 +167,13 @@ def localize(full, micro, ids, eqn_constraints: dict, batch_axes: tuple[str, ...
     if j not in eqn_constraints or len(side(full[j])) != len(side(micro[i])):
       continue
     specs = []
-    for pspec, v in zip(eqn_constraints[j], side(micro[i])):
+    for pspec, v, w in zip(eqn_constraints[j], side(micro[i]), side(full[j])):
       shape = tuple(getattr(v.aval, "shape", ()))
       if pspec is None:
         specs.append(None)
         continue
-      if len(pspec) > len(shape):
-        break
+      if len(pspec) > len(shape) or len(shape) != len(getattr(w.aval, "shape", ())):
+        break  # not the same value (a size-1 batch traces differently): left to XLA
       local = [tuple(a for a in axes if a not in batch_axes)
                for axes in from_partition_spec(pspec, len(shape))]
       local = [axes if shape[d] % math.prod(axis_sizes[a] for a in axes) == 0 else ()

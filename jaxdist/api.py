@@ -438,7 +438,9 @@ class ParallelizedFunc:
     if isinstance(method, m.FollowParallel):
       method, lmesh = follow.shard_method(method, step)
     if isinstance(method, m.ShardParallel):
-      shard_plan = plan_shard_parallel(method, step, lmesh)
+      micro_trace = lambda divisor: with_micro_batch_trace(
+          self.fun, args, static, step, divisor, jaxpr_util.PLAN_INLINE).micro_jaxpr
+      shard_plan = plan_shard_parallel(method, step, lmesh, micro_trace=micro_trace)
       step, layout = shard_plan.step, shard_plan.layout
     else:
       layout = data_parallel_layout(method, step, lmesh)

@@ -94,6 +94,53 @@ def test_predictions_with_micro_batches(workload, shape, k):
   _assert_predicted_as_compiled(exe)
 
 
+def test_the_plan_keeps_its_splits_inside_the_micro_batch_loop():
+  """16 examples in 4 micro-batches on (2, 4): a micro-batch of 4 cannot split over all 8
+  devices. The ILP priced the whole-batch step, whose batch splits over both axes, and
+  the loop then ran replicated over mesh_1 (the split dropped; each device did half of
+  the work). Now it plans only splits the micro-batch divides: every axis the plan puts
+  on a gradient-part equation is kept inside the loop (none is dropped)."""
+  from jaxdist import accumulate
+  step, state, batch = _lm(models.GPT, value_and_grad=jd.value_and_grad)
+  exe = jd.parallelize(step, method=jd.ShardParallel(
+      devices=_mesh((2, 4), {}), num_micro_batches=4)).get_executable(state, batch)
+  layout, traced = exe.layout, exe.traced_step
+  sizes = dict(zip(layout.logical_mesh.axis_names, layout.logical_mesh.shape))
+  split = accumulate.split_at_marker(traced)
+  inside = accumulate.local_constraints(traced, split, layout.eqn_constraints,
+                                        layout.batch_axes, sizes)
+  kept = {a for specs in inside.values() for spec in specs if spec is not None
+          for entry in spec if entry is not None
+          for a in (entry if isinstance(entry, tuple) else (entry,))}
+  planned = {a for j, specs in layout.eqn_constraints.items() if j < traced.marker_index
+             for spec in specs for entry in spec if entry is not None
+             for a in (entry if isinstance(entry, tuple) else (entry,))}
+  assert planned - set(layout.batch_axes) <= kept, (planned, kept, layout.batch_axes)
+  assert set(layout.batch_axes) | kept == {"mesh_0", "mesh_1"}  # every device works
+
+
+def test_micro_batches_price_the_loop_s_collectives_k_times():
+  """Activation collectives inside the micro-batch loop run once per micro-batch: with
+  k = 8 and α = 5 µs the ILP priced them once (a plan of 6 all-gathers and 6
+  reduce-scatters per step, whose collectives project to 1.8 x data parallelism's) and
+  now picks data parallelism's one reduction after the loop."""
+  data = models.regression_batch(64, 1024, out=1024)
+  state = models.create_state(models.MLP(hidden=1024, num_layers=3, out=1024), data["x"],
+                              tx=optax.sgd(1e-3))
+  step = models.regression_step(jd.value_and_grad)
+  costs = dict(alpha=5e-6, beta=1 / 450e9)
+
+  def projected(exe):
+    return sum(c.count * costs["alpha"] + c.result_bytes * costs["beta"]
+               for c in exe.communication().values())
+
+  plans = [jd.parallelize(step, method=method(devices=_mesh((8,), costs), num_micro_batches=8)
+                          ).get_executable(state, data)
+           for method in (jd.ShardParallel, jd.DataParallel)]
+  _assert_predicted_as_compiled(plans[0])
+  assert projected(plans[0]) <= 1.05 * projected(plans[1]), [p.communication() for p in plans]
+
+
 def test_bf16_values_move_as_the_cpu_backend_promotes_them():
   """XLA:CPU runs collectives of bf16 values in f32 (twice the bytes): the gradients'
   reduction after a micro-batch loop (predicted at half the compiled bytes before) and

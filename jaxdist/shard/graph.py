@@ -19,14 +19,17 @@ import numpy as np
 from jaxdist import errors
 from jaxdist.shard import combine
 from jaxdist.jaxpr_util import MARKERS
-from jaxdist.shard.cost import CostModel
-from jaxdist.shard.specs import DimAxes, num_shards, replicated
+from jaxdist.shard.cost import DISALLOWED_S, CostModel
+from jaxdist.shard.micro import MicroBatchLoop
+from jaxdist.shard.specs import DimAxes, divides, num_shards, replicated
 from jaxdist.shard.strategies import (ELEMENTWISE, Follow, Strategy, input_strategies, nbytes,
                                       rule_for)
 
 # Tie-breaking penalty for keeping an input leaf replicated, as a fraction of a 1-byte
 # all-reduce over the whole mesh (Alpa's choice of unit), so it scales with α and β.
 REPLICATED_INPUT_PENALTY = 0.01
+# The region of the collectives inside a micro-batch loop: they combine with each other.
+MICRO_LOOP = ("micro-batch loop",)
 
 
 @dataclasses.dataclass
@@ -63,6 +66,7 @@ class Flow:
   tied: bool = False
   operand: int | None = None
   dtype: object = None
+  repeats: tuple[int, int] = (1, 1)  # (α, bytes) multipliers inside a micro-batch loop
 
 
 @dataclasses.dataclass
@@ -79,6 +83,7 @@ class StrategyGraph:
     flows: every data flow (:class:`Flow`).
     combine: the collectives XLA may combine, for one α per combined group
       (:class:`jaxdist.shard.combine.Terms`).
+    loop: the micro-batch loop the costs price, if any.
   """
 
   nodes: list[Node]
@@ -89,20 +94,25 @@ class StrategyGraph:
   unknown_primitives: tuple[str, ...]
   flows: list = dataclasses.field(default_factory=list)
   combine: object = None
+  loop: MicroBatchLoop | None = None
 
-  def collectives(self, choice, cost_model: CostModel,
-                  at_source=lambda node: False) -> list[tuple[int, tuple[str, tuple, float]]]:
+  def collectives(self, choice, cost_model: CostModel, at_source=lambda node: False,
+                  batch_axes=None) -> list[tuple[int, tuple[str, tuple, float]]]:
     """Every collective the plan ``choice`` has before XLA combines any, as (node, (kind,
-    axes, per-device bytes)): a node's own, then the resharding into it (``node`` is the
-    consumer) or, for a tied output or a source where ``at_source(source)``, the node of
-    the value moved. A value resharded to the same spec for several consumers counts once
-    (XLA computes it once)."""
+    axes, per-device bytes per step)): a node's own, then the resharding into it (``node``
+    is the consumer) or, for a tied output or a source where ``at_source(source)``, the
+    node of the value moved. A value resharded to the same spec for several consumers
+    counts once (XLA computes it once). Inside a micro-batch loop, a value without the
+    batch dimension moves once per micro-batch (its bytes count ``k`` times), except a
+    partial sum over ``batch_axes`` only (None: every axis), reduced once after the loop."""
     out = []
     for k, node in enumerate(self.nodes):
+      repeat = self.loop.own_bytes_repeat(node.eqn) if self.loop is not None else 1
       for kind, axes, b in node.strategies[choice[node.group]].collectives:
         if node.eqn is not None:  # 16-bit floats move as f32 on CPU
           b = cost_model.combining.collective_bytes(b, node.eqn.outvars[0].aval.dtype)
-        out.append((k, (kind, axes, b)))
+        inside = batch_axes is not None and set(axes) - set(batch_axes)
+        out.append((k, (kind, axes, b * repeat if inside else b)))
     done = set()  # a value resharded to one spec for several consumers moves once (CSE)
     for flow in self.flows:
       want = flow.required[choice[self.nodes[flow.dst].group]]
@@ -111,7 +121,8 @@ class StrategyGraph:
         continue
       done.add((flow.src, flow.pos, want, flow.tied))
       where = flow.src if flow.tied or at_source(flow.src) else flow.dst
-      out += [(where, (kind, axes, cost_model.combining.collective_bytes(b, flow.dtype)))
+      out += [(where, (kind, axes,
+                       flow.repeats[1] * cost_model.combining.collective_bytes(b, flow.dtype)))
               for kind, axes, b in cost_model.reshard_collectives(have, want, flow.full_bytes)]
     return out
 
@@ -124,7 +135,8 @@ class StrategyGraph:
 def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimAxes]] | None = None,
                 tied_outputs: dict[int, int] | None = None,
                 batch_inputs: frozenset[int] = frozenset(),
-                regions: list | None = None, weights: list | None = None) -> StrategyGraph:
+                regions: list | None = None, weights: list | None = None,
+                loop: MicroBatchLoop | None = None) -> StrategyGraph:
   """Builds the strategy graph of an (inlined) jaxpr.
 
   Args:
@@ -139,6 +151,8 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
     weights: per equation, how many times it runs per step (a long scan's stand-in
       iterations, see ``jaxpr_util.unroll_scans``): its costs, the resharding of its
       operands and its collectives count that many times.
+    loop: the micro-batch loop of a step with ``num_micro_batches`` > 1, priced as
+      ``jaxdist.shard.micro`` describes.
   """
   sizes = cost_model.axis_sizes
   nodes: list[Node] = []
@@ -220,8 +234,9 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
       if isinstance(v, jex.Literal) or v not in producer:
         continue
       required = [s.in_specs[pos] if pos < len(s.in_specs) else None for s in node.strategies]
+      repeats = loop.repeats(v) if loop is not None and loop.runs_in_loop(node.eqn) else (1, 1)
       flows.append(Flow(producer[v][0], producer[v][1], node_ids[id(node)], tuple(required),
-                        nbytes(v), operand=pos, dtype=v.aval.dtype))
+                        nbytes(v), operand=pos, dtype=v.aval.dtype, repeats=repeats))
   phase = combine.phases(nodes, flows)
   for out_pos, in_pos in (tied_outputs or {}).items():
     v_out = jaxpr.outvars[out_pos]
@@ -236,11 +251,29 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
   group_costs = [np.zeros(n) for n in group_sizes]
   edge_costs: dict[tuple[int, int], np.ndarray] = {}
   members = combine.Members(cost_model)
+  # Inside a micro-batch loop, the collectives of an equation whose outputs keep the
+  # batch dimension run once per micro-batch (k α, the same bytes); one that lost it
+  # (a weight gradient's partial sums) is reduced once, after the loop, over the batch
+  # axes, but k times whole over an axis that cannot split the batch.
+  batch_axes = {a for k in (batch_inputs if loop is not None else ())
+                for s in (input_choices or {}).get(k, ()) if s for a in s[0]}
   for k, node in enumerate(nodes):
+    looped = loop is not None and loop.runs_in_loop(node.eqn)
+    scaled = looped and any(loop.scaled(v) for v in node.eqn.outvars)
     for t, s in enumerate(node.strategies):
       group_costs[node.group][t] += s.cost * node.weight
       for c in s.collectives:
-        members.add(c, phase[k], ("x", node.group, t), node.region, node.weight)
+        alpha_repeat, bytes_repeat = ((loop.k, 1) if scaled else
+                                      (loop.k, loop.k) if looped and set(c[1]) - batch_axes
+                                      else (1, 1))
+        region = MICRO_LOOP if alpha_repeat > 1 else node.region
+        members.add(c, phase[k], ("x", node.group, t), region, node.weight * alpha_repeat)
+        seconds = cost_model.collective(*c)
+        alpha = cost_model.latency(c[1]) if c[0] not in cost_model.combining.kinds else 0.0
+        group_costs[node.group][t] += node.weight * (
+            (bytes_repeat - 1) * seconds + (alpha_repeat - bytes_repeat) * alpha)
+    if loop is not None and loop.runs_in_loop(node.eqn):
+      _rule_out_undivided(group_costs[node.group], node, loop, sizes)
     if node.eqn is None:
       continue
     if fused[k]:
@@ -254,7 +287,20 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
     _add_edge(group_costs, edge_costs, cost_model, members, nodes, flow,
               combine.TAIL if flow.tied else combine.before(phase, nodes, flow.dst), cache)
   return StrategyGraph(nodes, group_sizes, group_costs, edge_costs, producer, tuple(unknown),
-                       flows, members.terms())
+                       flows, members.terms(), loop)
+
+
+def _rule_out_undivided(costs, node: Node, loop: MicroBatchLoop, sizes) -> None:
+  """Makes the strategies of a looped node that split a dimension the micro-batch's
+  shapes do not divide cost ``DISALLOWED_S``: inside the loop the split cannot be kept."""
+  eqn = node.eqn
+  for t, s in enumerate(node.strategies):
+    for specs, values in ((s.out_specs, eqn.outvars), (s.in_specs, eqn.invars)):
+      if any(spec is not None and loop.varies(v) and loop.micro_shapes[v] is not None
+             and not divides(loop.micro_shapes[v], spec, sizes)
+             for spec, v in zip(specs, values)):
+        costs[t] += DISALLOWED_S
+        break
 
 
 def _fused_into_consumers(nodes, flows, outvars) -> list[bool]:
@@ -291,6 +337,7 @@ def _add_edge(group_costs, edge_costs, cost_model, members, nodes, flow: Flow, p
   src_specs = [s.out_specs[flow.pos] for s in src.strategies]
   same = src.group == dst_group
   weight = 1.0 if flow.tied else nodes[flow.dst].weight  # the operand is read that often
+  alpha_repeat, bytes_repeat = flow.repeats
   matrix = np.zeros((len(src_specs), len(required)))
   for a, have in enumerate(src_specs):
     for b, want in enumerate(required):
@@ -299,12 +346,15 @@ def _add_edge(group_costs, edge_costs, cost_model, members, nodes, flow: Flow, p
       key = (have, want, flow.full_bytes)
       if key not in cache:
         collectives = cost_model.reshard_collectives(have, want, flow.full_bytes)
-        cache[key] = (sum(cost_model.collective(*c) for c in collectives), collectives)
-      matrix[a, b], collectives = cache[key]
-      region = None if flow.tied else nodes[flow.dst].region
+        alphas = sum(cost_model.latency(axes) for kind, axes, _ in collectives
+                     if kind not in cost_model.combining.kinds)
+        cache[key] = (sum(cost_model.collective(*c) for c in collectives), alphas, collectives)
+      seconds, alphas, collectives = cache[key]
+      matrix[a, b] = bytes_repeat * seconds + (alpha_repeat - bytes_repeat) * alphas
+      region = None if flow.tied else MICRO_LOOP if alpha_repeat > 1 else nodes[flow.dst].region
       for c in collectives:
         members.add(c, phase, ("x", dst_group, b) if same else ("e", src.group, dst_group, a, b),
-                    region, weight)
+                    region, weight * alpha_repeat)
   matrix *= weight
   if same:
     group_costs[dst_group] += np.diag(matrix)

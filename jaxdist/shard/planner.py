@@ -35,6 +35,7 @@ from jaxdist.mesh import LogicalMesh
 from jaxdist.shard import cache, combine
 from jaxdist.shard.cost import CostModel, combining_for
 from jaxdist.shard.graph import StrategyGraph, build_graph
+from jaxdist.shard.micro import MicroBatchLoop, micro_batch_loop
 from jaxdist.shard.repeats import tie_groups
 from jaxdist.shard.rolled import roll
 from jaxdist.shard.solver import MemoryConstraint, Solution, solve_ilp
@@ -132,12 +133,15 @@ class ShardPlanResult:
 
 
 def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: LogicalMesh,
-                        long_scans: bool = True) -> ShardPlanResult:
+                        long_scans: bool = True, micro_trace=None) -> ShardPlanResult:
   """Searches the mesh shapes (or applies a saved plan) and returns the cheapest plan.
 
   ``long_scans``: plan scans longer than ``jaxpr_util.MAX_UNROLLED_SCAN`` and while
   loops on their two-iteration stand-ins (with one micro-batch; they compile as loops),
-  else leave them to XLA.
+  else leave them to XLA. ``micro_trace(divisor)``: the step's jaxpr traced at
+  1/divisor of the batch, inlined with ``jaxpr_util.PLAN_INLINE``; with
+  ``num_micro_batches`` > 1 the ILP prices the micro-batch loop from it
+  (``jaxdist.shard.micro``), without it the whole-batch step.
   """
   given_step = step
   opt = method.options
@@ -178,14 +182,18 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
   found = jaxpr_util.find_eqns(inlined.jaxpr, jaxpr_util.IDENTITY_MARKER)
   step = dataclasses.replace(step, closed_jaxpr=inlined,
                              marker_index=found[0] if len(found) == 1 else None)
+  loop = None
   if k > 1:
     uses_marker(method, step)  # raises unless there is one top-level marker
+    if micro_trace is not None:
+      loop = micro_batch_loop(inlined.jaxpr, step, micro_trace(k), k)
   # With one micro-batch the unrolled scans compile as loops (see rolled.py), whose
   # collectives combine only within an iteration; with more, the step compiles unrolled.
   regions = _loop_regions(origins) if k == 1 else None
   names = method.plan.axis_names if method.plan is not None else None
   text = str(step.closed_jaxpr)  # the cache keys' largest part, printed once
   digest = cache.key("result", text, _mesh_key(base), shapes, names, opt, pinned, k, long_scans,
+                     loop is not None,
                      [(l.shape, str(l.dtype), l.role) for l in step.inputs])
   # Every process of a job compiles process 0's plan: its cached result if it has one,
   # else what the processes solve (each solve agreed on in _plan_one).
@@ -205,7 +213,8 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
     if hit is not None and not isinstance(layout.rolled, str):
       return ShardPlanResult(step, layout, hit["objective"], hit["mesh_objectives"],
                              hit["predicted_collectives"], lambda: _plan_one(
-                                 step, lmesh, opt, pinned, k, regions, weights, pairs, text))
+                                 step, lmesh, opt, pinned, k, regions, weights, pairs, text,
+                                 loop))
   mirrored = _mirrored_shapes(shapes, base, opt, pinned) if why is None else {}
   plans, objectives, infeasible = [], {}, []
   with progress.bar(len(shapes) - len(mirrored), "ShardParallel: planning") as shown:
@@ -216,7 +225,7 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
       shown.describe(f"ShardParallel: solving mesh {name}")
       lmesh = mesh_for(shape, base, names)
       try:
-        plan = _plan_one(step, lmesh, opt, pinned, k, regions, weights, pairs, text)
+        plan = _plan_one(step, lmesh, opt, pinned, k, regions, weights, pairs, text, loop)
       except errors.InfeasiblePlanError as e:
         infeasible.append((shape, e))
         continue
@@ -470,7 +479,7 @@ def _micro_batch_predictions(step: TracedStep, plan: MeshPlan, layout: Layout, k
       values, jaxpr_util.dependencies(jaxpr, len(step.inputs), values)) if d & batch_mask}
   predicted = combine.predict(
       graph, choice, cost_model, repeat=lambda node, kind, axes: k if inside(node) else 1,
-      axes_of=axes_of, at_source=lambda node: node not in varies)
+      axes_of=axes_of, at_source=lambda node: node not in varies, batch_axes=layout.batch_axes)
   reductions = {}
   producer = {id(o): i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
   for v, spec, each in zip(marker.invars, layout.grad_reduce_specs, per_example_outputs(step)):
@@ -645,7 +654,8 @@ def _loop_regions(origins: list) -> list | None:
 def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
               pinned: dict[int, DimAxes] | None = None, num_micro_batches: int = 1,
               regions: list | None = None, weights: list | None = None,
-              pairs=(), jaxpr_text: str | None = None) -> MeshPlan:
+              pairs=(), jaxpr_text: str | None = None,
+              loop: MicroBatchLoop | None = None) -> MeshPlan:
   jaxpr = step.closed_jaxpr.jaxpr
   cost_model = CostModel(lmesh, allow_all_gather=opt.allow_all_gather,
                          allow_all_to_all=opt.allow_all_to_all,
@@ -655,13 +665,13 @@ def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
   batch = frozenset(k for k, leaf in enumerate(step.inputs) if leaf.role == BATCH)
   graph = build_graph(jaxpr, cost_model,
                       _input_choices(step, lmesh, opt, pinned, num_micro_batches), tied, batch,
-                      regions, weights)
+                      regions, weights, loop)
   memory = None
   if opt.memory_budget_per_device is not None:
-    memory = memory_constraint(jaxpr, graph, step, lmesh)
+    memory = memory_constraint(jaxpr, graph, step, lmesh, loop)
   digest = cache.key(jaxpr_text or str(step.closed_jaxpr),
                      [(l.shape, str(l.dtype), l.role) for l in step.inputs], _mesh_key(lmesh),
-                     opt, pinned, num_micro_batches, tied, regions is not None)
+                     opt, pinned, num_micro_batches, tied, regions is not None, loop is not None)
   solution = loaded = cache.load(digest, len(graph.group_sizes)) if opt.plan_cache else None
   if solution is None:
     # A stand-in's two iterations always share one plan: the loop compiles with one body.
@@ -687,9 +697,10 @@ def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
   return MeshPlan(lmesh, graph, solution, input_specs, cost_model)
 
 
-def memory_constraint(jaxpr, graph: StrategyGraph, step: TracedStep,
-                      lmesh: LogicalMesh) -> MemoryConstraint:
-  """Per-device bytes at the heaviest liveness points, linear in the choices."""
+def memory_constraint(jaxpr, graph: StrategyGraph, step: TracedStep, lmesh: LogicalMesh,
+                      loop: MicroBatchLoop | None = None) -> MemoryConstraint:
+  """Per-device bytes at the heaviest liveness points, linear in the choices (inside a
+  micro-batch ``loop``, a value holds one micro-batch's share of its bytes)."""
   sizes = dict(zip(lmesh.axis_names, lmesh.shape))
   n_eqns = len(jaxpr.eqns)
   # A marker's outputs are its operands (one buffer each).
@@ -716,9 +727,12 @@ def memory_constraint(jaxpr, graph: StrategyGraph, step: TracedStep,
       if isinstance(v, jex.DropVar) or v in donated_outputs or v in alias:
         continue  # a donated output reuses its input's buffer
       intervals.append((v, i, last_use.get(v, i)))
+  inputs = set(jaxpr.invars)
+  size = {v: nbytes(v) * (loop.fraction(v) if loop is not None and v not in inputs else 1.0)
+          for v, _, _ in intervals}
   live = np.zeros(n_eqns + 1)
   for v, start, end in intervals:
-    live[max(start, 0):end + 1] += nbytes(v)
+    live[max(start, 0):end + 1] += size[v]
   points = sorted(np.argsort(-live)[:MEMORY_CHECK_POINTS].tolist())
   per_group, constant = [], []
   for t in points:
@@ -729,7 +743,7 @@ def memory_constraint(jaxpr, graph: StrategyGraph, step: TracedStep,
         continue
       node_id, pos = graph.producer[v]
       node = graph.nodes[node_id]
-      vec = np.array([nbytes(v) / num_shards(s.out_specs[pos], sizes) for s in node.strategies])
+      vec = np.array([size[v] / num_shards(s.out_specs[pos], sizes) for s in node.strategies])
       if graph.group_sizes[node.group] == 1:
         fixed += float(vec[0])
       else:

@@ -1,0 +1,115 @@
+"""The micro-batch loop as the shard planner prices it (``num_micro_batches`` > 1).
+
+With gradient accumulation (``jaxdist.accumulate``) the gradient part of the step runs
+once per micro-batch, in a loop, on 1/k of the batch; the gradients are reduced once,
+after it. The planner still plans the whole-batch step (its plan's constraints index
+that step's equations), so it prices what the loop changes:
+
+- a value the loop computes on the micro-batch (it carries the batch dimension) moves k
+  times, on 1/k of its bytes each: its collectives cost k α and the same bytes;
+- a value the loop computes per micro-batch without the batch dimension (a partial
+  gradient resharded inside the loop) moves k times whole: k α and k times the bytes;
+- what no batch value reaches (a parameter) is the same in every iteration: XLA hoists
+  its resharding out of the loop, so it moves once;
+- an equation whose outputs lost the batch dimension (a weight gradient, the loss's sum)
+  reduces them over the batch axes once, after the loop;
+- a value with the batch dimension holds 1/k of its bytes at once (the memory budget);
+- a split the micro-batch's shapes do not divide cannot be kept inside the loop
+  (``accumulate.localize`` drops it, and XLA partitions the equation another way), so
+  such strategies are ruled out.
+
+Known approximation: a partial gradient reduced over axes other than the batch axes is
+reduced in every iteration; it is priced once, as if over the batch axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.extend.core as jex
+
+from jaxdist import jaxpr_util
+from jaxdist.trace import BATCH
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatchLoop:
+  """Attributes:
+    k: micro-batches per step.
+    looped: ids of the equations that run once per micro-batch (the gradient part,
+      reached by the batch).
+    micro_shapes: per value of the loop (a batch input or an output of a looped
+      equation), its shape on one micro-batch (1/k of the batch); None where the
+      micro-batch trace has no counterpart.
+  """
+
+  k: int
+  looped: frozenset
+  micro_shapes: dict
+
+  def runs_in_loop(self, eqn) -> bool:
+    return eqn is not None and id(eqn) in self.looped
+
+  def varies(self, v) -> bool:
+    return not isinstance(v, jex.Literal) and v in self.micro_shapes
+
+  def scaled(self, v) -> bool:
+    """Whether ``v`` carries the batch dimension (it shrinks on a micro-batch)."""
+    if not self.varies(v):
+      return False
+    shape = self.micro_shapes[v]
+    return shape is None or shape != tuple(getattr(v.aval, "shape", ()))
+
+  def fraction(self, v) -> float:
+    """The share of ``v``'s bytes one micro-batch holds (1 without the batch dimension)."""
+    if not self.scaled(v):
+      return 1.0
+    shape, full = self.micro_shapes[v], getattr(v.aval, "shape", ())
+    return 1.0 / self.k if shape is None else math.prod(shape) / max(math.prod(full), 1)
+
+  def own_bytes_repeat(self, eqn) -> int:
+    """How often a looped equation's own collectives move their bytes per step once
+    compiled (over the axes left inside the loop): k where its outputs lost the batch
+    dimension (every micro-batch moves them whole), else 1 (1/k of them, k times)."""
+    if not self.runs_in_loop(eqn) or any(self.scaled(v) for v in eqn.outvars):
+      return 1
+    return self.k
+
+  def repeats(self, v) -> tuple[int, int]:
+    """(α, bytes) multipliers of moving ``v`` inside the loop (see the module doc)."""
+    if not self.varies(v):
+      return 1, 1
+    return (self.k, 1) if self.scaled(v) else (self.k, self.k)
+
+
+def micro_batch_loop(jaxpr, step, micro_jaxpr, k: int) -> MicroBatchLoop:
+  """The loop of ``step`` (whose planned, inlined jaxpr is ``jaxpr``, with its gradient
+  marker at ``step.marker_index``) from ``micro_jaxpr``: the same step traced at 1/k of
+  the batch and inlined alike. Equations the two traces do not line up (jax special-cases
+  a size-1 dimension) count as carrying the batch dimension if a batch value reaches them."""
+  marker = jaxpr.eqns[step.marker_index]
+  needed = jaxpr_util.needed_eqns(jaxpr, marker.invars)
+  batch_mask = sum(1 << i for i, leaf in enumerate(step.inputs) if leaf.role == BATCH)
+  outs = [v for i in needed for v in jaxpr.eqns[i].outvars if not isinstance(v, jex.DropVar)]
+  varying = {v for v, d in zip(outs, jaxpr_util.dependencies(jaxpr, len(step.inputs), outs))
+             if d & batch_mask}
+  micro_eqns = micro_jaxpr.jaxpr.eqns
+  to_micro = {j: i for i, j in jaxpr_util.align(micro_eqns, jaxpr.eqns).items()}
+  shapes, looped = {}, set()
+  for j in needed:
+    eqn = jaxpr.eqns[j]
+    if not any(v in varying for v in eqn.outvars):
+      continue
+    looped.add(id(eqn))
+    twin = micro_eqns[to_micro[j]] if j in to_micro else None
+    if twin is not None and len(twin.outvars) != len(eqn.outvars):
+      twin = None
+    for pos, v in enumerate(eqn.outvars):
+      if v in varying:
+        micro = tuple(twin.outvars[pos].aval.shape) if twin is not None else ()
+        shapes[v] = micro if len(micro) == len(v.aval.shape) else None
+  for v, leaf in zip(jaxpr.invars, step.inputs):
+    if leaf.role == BATCH and leaf.shape:
+      shapes[v] = (leaf.shape[0] // k,) + tuple(leaf.shape[1:])
+  return MicroBatchLoop(k, frozenset(looped), shapes)
