@@ -18,8 +18,10 @@ that step's equations), so it prices what the loop changes:
   (``accumulate.localize`` drops it, and XLA partitions the equation another way), so
   such strategies are ruled out.
 
-Known approximation: a partial gradient reduced over axes other than the batch axes is
-reduced in every iteration; it is priced once, as if over the batch axes.
+Known approximation: which mesh axes split the batch is itself a choice of the ILP. A
+partial gradient reduced over an axis that no allowed split of the batch uses is priced k
+times whole; one reduced over an axis that could split the batch is priced once, as if
+the chosen plan split the batch over it.
 """
 
 from __future__ import annotations
