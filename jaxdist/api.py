@@ -437,10 +437,15 @@ class ParallelizedFunc:
     shard_plan = None
     if isinstance(method, m.FollowParallel):
       method, lmesh = follow.shard_method(method, step)
+    # The step at 1/divisor of the batch, inlined as the shard plan's equations are (the
+    # planner's micro-batch trace is the layout's too when the batch is not split).
+    inline = jaxpr_util.PLAN_INLINE if isinstance(method, m.ShardParallel) else ()
+    traced = step
+    retrace = functools.cache(
+        lambda divisor: with_micro_batch_trace(self.fun, args, static, traced, divisor, inline))
     if isinstance(method, m.ShardParallel):
-      micro_trace = lambda divisor: with_micro_batch_trace(
-          self.fun, args, static, step, divisor, jaxpr_util.PLAN_INLINE).micro_jaxpr
-      shard_plan = plan_shard_parallel(method, step, lmesh, micro_trace=micro_trace)
+      shard_plan = plan_shard_parallel(method, step, lmesh,
+                                       micro_trace=lambda d: retrace(d).micro_jaxpr)
       step, layout = shard_plan.step, shard_plan.layout
     else:
       layout = data_parallel_layout(method, step, lmesh)
@@ -448,9 +453,9 @@ class ParallelizedFunc:
       divisor = layout.num_micro_batches * math.prod(
           layout.logical_mesh.axis_size(a) for a in layout.batch_axes)
       if divisor > 1:
-        # The shard plan's equations are those of the call-inlined trace.
-        inline = jaxpr_util.PLAN_INLINE if shard_plan is not None else ()
-        step = with_micro_batch_trace(self.fun, args, static, step, divisor, inline)
+        micro = retrace(divisor)
+        step = dataclasses.replace(step, micro_jaxpr=micro.micro_jaxpr,
+                                   micro_marker_index=micro.micro_marker_index)
     return step, layout, shard_plan
 
   def _mesh(self) -> LogicalMesh:

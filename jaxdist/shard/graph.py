@@ -255,8 +255,8 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
   # batch dimension run once per micro-batch (k α, the same bytes); one that lost it
   # (a weight gradient's partial sums) is reduced once, after the loop, over the batch
   # axes, but k times whole over an axis that cannot split the batch.
-  batch_axes = {a for k in (batch_inputs if loop is not None else ())
-                for s in (input_choices or {}).get(k, ()) if s for a in s[0]}
+  batch_axes = {a for i in (batch_inputs if loop is not None else ())
+                for s in (input_choices or {}).get(i, ()) if s for a in s[0]}
   for k, node in enumerate(nodes):
     looped = loop is not None and loop.runs_in_loop(node.eqn)
     scaled = looped and any(loop.scaled(v) for v in node.eqn.outvars)
@@ -268,10 +268,10 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
                                       else (1, 1))
         region = MICRO_LOOP if alpha_repeat > 1 else node.region
         members.add(c, phase[k], ("x", node.group, t), region, node.weight * alpha_repeat)
-        seconds = cost_model.collective(*c)
-        alpha = cost_model.latency(c[1]) if c[0] not in cost_model.combining.kinds else 0.0
-        group_costs[node.group][t] += node.weight * (
-            (bytes_repeat - 1) * seconds + (alpha_repeat - bytes_repeat) * alpha)
+        if alpha_repeat > 1:  # s.cost has the collective once (its α if not combined)
+          alpha = cost_model.latency(c[1]) if c[0] not in cost_model.combining.kinds else 0.0
+          group_costs[node.group][t] += node.weight * ((bytes_repeat - 1) * cost_model.collective(*c)
+                                                       + (alpha_repeat - bytes_repeat) * alpha)
     if loop is not None and loop.runs_in_loop(node.eqn):
       _rule_out_undivided(group_costs[node.group], node, loop, sizes)
     if node.eqn is None:

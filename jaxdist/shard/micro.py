@@ -85,6 +85,13 @@ class MicroBatchLoop:
     return (self.k, 1) if self.scaled(v) else (self.k, self.k)
 
 
+def batch_varying(jaxpr, step, values) -> set:
+  """The ``values`` of ``jaxpr`` (``step``'s) that a batch input reaches."""
+  mask = sum(1 << i for i, leaf in enumerate(step.inputs) if leaf.role == BATCH)
+  return {v for v, d in zip(values, jaxpr_util.dependencies(jaxpr, len(step.inputs), values))
+          if d & mask}
+
+
 def micro_batch_loop(jaxpr, step, micro_jaxpr, k: int) -> MicroBatchLoop:
   """The loop of ``step`` (whose planned, inlined jaxpr is ``jaxpr``, with its gradient
   marker at ``step.marker_index``) from ``micro_jaxpr``: the same step traced at 1/k of
@@ -92,10 +99,8 @@ def micro_batch_loop(jaxpr, step, micro_jaxpr, k: int) -> MicroBatchLoop:
   a size-1 dimension) count as carrying the batch dimension if a batch value reaches them."""
   marker = jaxpr.eqns[step.marker_index]
   needed = jaxpr_util.needed_eqns(jaxpr, marker.invars)
-  batch_mask = sum(1 << i for i, leaf in enumerate(step.inputs) if leaf.role == BATCH)
-  outs = [v for i in needed for v in jaxpr.eqns[i].outvars if not isinstance(v, jex.DropVar)]
-  varying = {v for v, d in zip(outs, jaxpr_util.dependencies(jaxpr, len(step.inputs), outs))
-             if d & batch_mask}
+  varying = batch_varying(jaxpr, step, [v for i in needed for v in jaxpr.eqns[i].outvars
+                                        if not isinstance(v, jex.DropVar)])
   micro_eqns = micro_jaxpr.jaxpr.eqns
   to_micro = {j: i for i, j in jaxpr_util.align(micro_eqns, jaxpr.eqns).items()}
   shapes, looped = {}, set()

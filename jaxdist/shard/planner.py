@@ -35,7 +35,7 @@ from jaxdist.mesh import LogicalMesh
 from jaxdist.shard import cache, combine
 from jaxdist.shard.cost import CostModel, combining_for
 from jaxdist.shard.graph import StrategyGraph, build_graph
-from jaxdist.shard.micro import MicroBatchLoop, micro_batch_loop
+from jaxdist.shard.micro import MicroBatchLoop, batch_varying, micro_batch_loop
 from jaxdist.shard.repeats import tie_groups
 from jaxdist.shard.rolled import roll
 from jaxdist.shard.solver import MemoryConstraint, Solution, solve_ilp
@@ -182,18 +182,19 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
   found = jaxpr_util.find_eqns(inlined.jaxpr, jaxpr_util.IDENTITY_MARKER)
   step = dataclasses.replace(step, closed_jaxpr=inlined,
                              marker_index=found[0] if len(found) == 1 else None)
-  loop = None
   if k > 1:
     uses_marker(method, step)  # raises unless there is one top-level marker
-    if micro_trace is not None:
-      loop = micro_batch_loop(inlined.jaxpr, step, micro_trace(k), k)
+  # The micro-batch loop's pricing (traced only where an ILP is built: not on a cache hit).
+  priced_loop = k > 1 and micro_trace is not None
+  loop = functools.cache(lambda: micro_batch_loop(inlined.jaxpr, step, micro_trace(k), k)
+                         if priced_loop else None)
   # With one micro-batch the unrolled scans compile as loops (see rolled.py), whose
   # collectives combine only within an iteration; with more, the step compiles unrolled.
   regions = _loop_regions(origins) if k == 1 else None
   names = method.plan.axis_names if method.plan is not None else None
   text = str(step.closed_jaxpr)  # the cache keys' largest part, printed once
   digest = cache.key("result", text, _mesh_key(base), shapes, names, opt, pinned, k, long_scans,
-                     loop is not None,
+                     priced_loop,
                      [(l.shape, str(l.dtype), l.role) for l in step.inputs])
   # Every process of a job compiles process 0's plan: its cached result if it has one,
   # else what the processes solve (each solve agreed on in _plan_one).
@@ -214,7 +215,7 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
       return ShardPlanResult(step, layout, hit["objective"], hit["mesh_objectives"],
                              hit["predicted_collectives"], lambda: _plan_one(
                                  step, lmesh, opt, pinned, k, regions, weights, pairs, text,
-                                 loop))
+                                 loop()))
   mirrored = _mirrored_shapes(shapes, base, opt, pinned) if why is None else {}
   plans, objectives, infeasible = [], {}, []
   with progress.bar(len(shapes) - len(mirrored), "ShardParallel: planning") as shown:
@@ -225,7 +226,7 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
       shown.describe(f"ShardParallel: solving mesh {name}")
       lmesh = mesh_for(shape, base, names)
       try:
-        plan = _plan_one(step, lmesh, opt, pinned, k, regions, weights, pairs, text, loop)
+        plan = _plan_one(step, lmesh, opt, pinned, k, regions, weights, pairs, text, loop())
       except errors.InfeasiblePlanError as e:
         infeasible.append((shape, e))
         continue
@@ -473,10 +474,7 @@ def _micro_batch_predictions(step: TracedStep, plan: MeshPlan, layout: Layout, k
 
   # A value that no batch input reaches (a parameter) is the same in every iteration:
   # XLA hoists its resharding out of the loop, so it runs once.
-  batch_mask = sum(1 << i for i, leaf in enumerate(step.inputs) if leaf.role == BATCH)
-  values = list(graph.producer)
-  varies = {graph.producer[v][0] for v, d in zip(
-      values, jaxpr_util.dependencies(jaxpr, len(step.inputs), values)) if d & batch_mask}
+  varies = {graph.producer[v][0] for v in batch_varying(jaxpr, step, list(graph.producer))}
   predicted = combine.predict(
       graph, choice, cost_model, repeat=lambda node, kind, axes: k if inside(node) else 1,
       axes_of=axes_of, at_source=lambda node: node not in varies, batch_axes=layout.batch_axes)
