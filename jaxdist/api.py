@@ -16,6 +16,7 @@ from jaxdist import errors
 from jaxdist import follow
 from jaxdist import jaxpr_util
 from jaxdist import methods as m
+from jaxdist.coupling import batch_coupling
 from jaxdist.executable import Executable, allocation_bytes, compile_layout, make_plan
 from jaxdist.layouts import check_batch_divisible, data_parallel_layout
 from jaxdist.mesh import LogicalMesh
@@ -327,7 +328,8 @@ class ParallelizedFunc:
         method = dataclasses.replace(method, auto_sharding_option=dataclasses.replace(
             method.options, memory_budget_per_device=tighter))
     predicted = None
-    if isinstance(self.method, (m.DataParallel, m.Zero2Parallel, m.Zero3Parallel)):
+    if shard_plan is None and isinstance(self.method, (m.DataParallel, m.Zero2Parallel,
+                                                       m.Zero3Parallel)):
       from jaxdist.estimate import fixed_layout_collectives
       predicted = fixed_layout_collectives(self.method, step, layout, lmesh)
     plan = make_plan(self.method.name, step, layout, shard_plan, predicted)
@@ -449,6 +451,15 @@ class ParallelizedFunc:
       step, layout = shard_plan.step, shard_plan.layout
     else:
       layout = data_parallel_layout(method, step, lmesh)
+      if layout.grad_reduce_specs is None and batch_coupling(step):
+        # One program over the whole batch (its batch statistics reduced across devices):
+        # the shard planner places its equations with the layout's inputs pinned, so that
+        # XLA compiles the collectives the plan predicts instead of choosing its own.
+        pinned = m.ShardParallel(devices=lmesh, plan=make_plan("ShardParallel", step, layout))
+        shard_plan = plan_shard_parallel(pinned, step, lmesh)
+        step, layout = shard_plan.step, dataclasses.replace(shard_plan.layout, notes=(
+            *layout.notes, "the shard planner placed the program's equations with these "
+            "input layouts pinned (its predicted collectives are checked against XLA's)"))
     if layout.grad_reduce_specs is not None:
       divisor = layout.num_micro_batches * math.prod(
           layout.logical_mesh.axis_size(a) for a in layout.batch_axes)

@@ -130,7 +130,9 @@ class Executable:
     (relative to the larger) or one side has none. The prediction already combines
     collectives as XLA does (``jaxdist.shard.combine``). DataParallel and ZeRO predict
     their layouts' reductions and gathers; scalar reductions an optimizer makes on ZeRO's
-    split state (LAMB's, adafactor's, global-norm clipping's) are not predicted.
+    split state (LAMB's, adafactor's, global-norm clipping's) are not predicted. A step
+    that mixes examples (BatchNorm) runs under them as one program that the shard planner
+    places with their input layouts pinned, and is predicted as a ShardParallel plan is.
     """
     predicted = self.plan.predicted_collectives
     compiled = self.communication()

@@ -691,6 +691,10 @@ def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
     solution = Solution(tuple(choice), objective, status)
   if opt.plan_cache and solution != loaded and solution.status != "time_limit":
     cache.store(digest, solution)
+  if memory is not None:
+    log.info("mesh %s: the plan's peak by the planner's memory model: %.0f bytes per device "
+             "(budget %.0f)", lmesh.shape, memory.usage(solution.choice),
+             opt.memory_budget_per_device)
   input_specs = tuple(graph.spec_of(v, solution.choice) for v in jaxpr.invars)
   return MeshPlan(lmesh, graph, solution, input_specs, cost_model)
 
