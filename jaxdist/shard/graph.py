@@ -28,6 +28,8 @@ from jaxdist.shard.strategies import (ELEMENTWISE, Follow, Strategy, input_strat
 # Tie-breaking penalty for keeping an input leaf replicated, as a fraction of a 1-byte
 # all-reduce over the whole mesh (Alpa's choice of unit), so it scales with α and β.
 REPLICATED_INPUT_PENALTY = 0.01
+# Equations that only rearrange their one operand's elements (see _rearranged_from_moved).
+REARRANGING = frozenset({"rev", "transpose", "convert_element_type", "copy", "copy_p"})
 # The region of the collectives inside a micro-batch loop: they combine with each other.
 MICRO_LOOP = ("micro-batch loop",)
 
@@ -114,17 +116,43 @@ class StrategyGraph:
         inside = batch_axes is not None and set(axes) - set(batch_axes)
         out.append((k, (kind, axes, b * repeat if inside else b)))
     done = set()  # a value resharded to one spec for several consumers moves once (CSE)
+    moved = {(flow.src, flow.pos, flow.required[choice[self.nodes[flow.dst].group]])
+             for flow in self.flows if not flow.tied}
     for flow in self.flows:
       want = flow.required[choice[self.nodes[flow.dst].group]]
       have = self.nodes[flow.src].strategies[choice[self.nodes[flow.src].group]].out_specs[flow.pos]
       if want is None or (flow.src, flow.pos, want, flow.tied) in done:
         continue
       done.add((flow.src, flow.pos, want, flow.tied))
+      if not flow.tied and want != have and self._rearranged_from_moved(flow, want, choice, moved):
+        continue
       where = flow.src if flow.tied or at_source(flow.src) else flow.dst
       out += [(where, (kind, axes,
                        flow.repeats[1] * cost_model.combining.collective_bytes(b, flow.dtype)))
               for kind, axes, b in cost_model.reshard_collectives(have, want, flow.full_bytes)]
     return out
+
+  def _rearranged_from_moved(self, flow: Flow, want, choice, moved) -> bool:
+    """Whether XLA gets ``flow``'s value in ``want`` without a collective: the value is a
+    rearrangement (a reverse, transpose or cast) of one operand that the plan moves, for
+    another consumer, into the matching layout (or holds there); XLA rearranges that copy
+    (measured: a convolution kernel all-gathered for the forward pass is reversed locally
+    for the backward's, not gathered again)."""
+    eqn = self.nodes[flow.src].eqn
+    if eqn is None or eqn.primitive.name not in REARRANGING or isinstance(eqn.invars[0], jex.Literal):
+      return False
+    if eqn.invars[0] not in self.producer:
+      return False
+    needed = want
+    if eqn.primitive.name == "transpose":  # output dim i is operand dim perm[i]
+      perm = eqn.params["permutation"]
+      needed = [()] * len(perm)
+      for i, p in enumerate(perm):
+        needed[p] = want[i]
+      needed = tuple(needed)
+    src, pos = self.producer[eqn.invars[0]]
+    node = self.nodes[src]
+    return needed == node.strategies[choice[node.group]].out_specs[pos] or (src, pos, needed) in moved
 
   def spec_of(self, var, choice: list[int]) -> DimAxes:
     node_id, pos = self.producer[var]
