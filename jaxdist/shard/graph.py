@@ -116,6 +116,7 @@ class StrategyGraph:
         inside = batch_axes is not None and set(axes) - set(batch_axes)
         out.append((k, (kind, axes, b * repeat if inside else b)))
     done = set()  # a value resharded to one spec for several consumers moves once (CSE)
+    pieces: dict = {}  # a concatenation's operands moved alike, moved as one (_joined_first)
     moved = {(flow.src, flow.pos, flow.required[choice[self.nodes[flow.dst].group]])
              for flow in self.flows if not flow.tied}
     for flow in self.flows:
@@ -127,10 +128,31 @@ class StrategyGraph:
       if not flow.tied and want != have and self._rearranged_from_moved(flow, want, choice, moved):
         continue
       where = flow.src if flow.tied or at_source(flow.src) else flow.dst
-      out += [(where, (kind, axes,
-                       flow.repeats[1] * cost_model.combining.collective_bytes(b, flow.dtype)))
-              for kind, axes, b in cost_model.reshard_collectives(have, want, flow.full_bytes)]
+      if not flow.tied and self._joined_first(flow, have, want):
+        pieces.setdefault((where, have, want, flow.dtype, flow.repeats[1]), []).append(flow)
+        continue
+      out += self._moved(where, have, want, flow.full_bytes, flow.dtype, flow.repeats[1],
+                         cost_model)
+    for (where, have, want, dtype, repeat), flows in pieces.items():
+      out += self._moved(where, have, want, sum(f.full_bytes for f in flows), dtype, repeat,
+                         cost_model)
     return out
+
+  @staticmethod
+  def _moved(where, have, want, full_bytes, dtype, repeat, cost_model):
+    return [(where, (kind, axes, repeat * cost_model.combining.collective_bytes(b, dtype)))
+            for kind, axes, b in cost_model.reshard_collectives(have, want, full_bytes)]
+
+  def _joined_first(self, flow: Flow, have, want) -> bool:
+    """Whether ``flow`` is one operand of a concatenation that XLA joins before it moves:
+    operands split alike, but not along the joined dim, are concatenated where they are
+    and the result is resharded once (an unrolled scan's stacked outputs: one all-gather
+    of the stack, not one per iteration)."""
+    eqn = self.nodes[flow.dst].eqn
+    if eqn is None or eqn.primitive.name != "concatenate" or have == want:
+      return False
+    dim = eqn.params["dimension"]
+    return len(have) > dim and not have[dim] and not want[dim]
 
   def _rearranged_from_moved(self, flow: Flow, want, choice, moved) -> bool:
     """Whether XLA gets ``flow``'s value in ``want`` without a collective: the value is a
