@@ -34,9 +34,9 @@ from jaxdist import jaxpr_util
 from jaxdist.estimate import Estimate, StageEstimate, estimate_planned
 from jaxdist.liveness import Timeline
 from jaxdist.pipeline.partition import stage_functions
+from jaxdist.pipeline.runtime import _device_bytes
 from jaxdist.plan import Plan, PlanEntry
 from jaxdist.shard.strategies import nbytes
-from jaxdist.trace import OPTIMIZER
 
 
 def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True) -> Estimate:
@@ -55,7 +55,7 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
         func.fun, dataclasses.replace(method, runtime="mpmd"), func.static_argnums,
         func.donate_argnums, func.batch_argnums)
     compiled_exe = target.get_executable(*args)
-  slices = _batch_slices(exe)
+  slices = exe.batch_slice_bytes()
   stages, estimates = [], []
   for s, st in enumerate(exe.stages):
     result = st.backward_plan
@@ -70,7 +70,7 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
       part = _per_device_parts(per_device, st.mesh.devices[0].platform, exe._frozen)
     held = sum(_device_bytes(a) for a in st.in_avals) * max(in_flight[s] - 1, 0)
     program = sum(part.values())
-    breakdown = dict(params=part["params"], optimizer=_optimizer_bytes(exe, st),
+    breakdown = dict(params=part["params"], optimizer=exe.optimizer_bytes(st),
                      batch=part["batch"] + slices, other=part["other"], grads=part["grads"],
                      activations=part["activations"] + held, temporaries=part["temporaries"])
     forward_flops = sum(jaxpr_util.eqn_flops(loss_jaxpr.eqns[i]) for i in st.eqns)
@@ -131,7 +131,8 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
               objective=compute + communication)
   compiled = None
   if compiled_exe is not None:
-    compiled = _compiled_peaks(compiled_exe, stages, slices)
+    peaks = compiled_exe.device_peaks()
+    compiled = dict(total=max(peaks.values()), **peaks)
   return Estimate(method.name, memory, breakdown,
                   compute + communication, compute, communication, collectives, plan,
                   tuple(notes), compiled, sum(e.flops for e in estimates) * k,
@@ -186,37 +187,3 @@ def _accumulate_early(jaxpr, num_accumulators: int):
     if i not in moved:
       order += [i] + after.get(i, [])
   return jaxpr.replace(eqns=[jaxpr.eqns[i] for i in order])
-
-
-def _compiled_peaks(exe, stages, slices: float) -> dict[str, float]:
-  """XLA's side of each stage's peak, formed as the estimate's: the compiled backward
-  program plus what the runtime keeps beside it (the same inputs in flight and batch
-  slices, the optimizer state the compiled step keeps on the stage's devices).
-  ``total`` is the largest; ``stage <s>`` each."""
-  peaks = {f"stage {est.index}": est.compiled_program_bytes + _optimizer_bytes(exe, st)
-           + est.held_bytes + slices for st, est in zip(exe.stages, stages)}
-  return dict(total=max(peaks.values()), **peaks)
-
-
-def _batch_slices(exe) -> float:
-  """Per device, the micro-batch slices of the loss's batch inputs: all of them are
-  cut at the start of a step, replicated over every device."""
-  loss_eqn = exe._step.closed_jaxpr.jaxpr.eqns[exe._index]
-  return float(sum(nbytes(v) for v, is_batch in zip(loss_eqn.invars, exe._batch_operand)
-                   if is_batch))
-
-
-def _optimizer_bytes(exe, stage) -> float:
-  """Per device, the optimizer state that lives on ``stage``'s devices (as the update
-  programs' plans lay it out)."""
-  devices = set(stage.mesh.mesh.devices.flat)
-  return float(sum(
-      math.prod(home.shard_shape(leaf.shape)) * leaf.dtype.itemsize
-      for leaf, home in zip(exe._step.inputs, exe._input_homes)
-      if leaf.role == OPTIMIZER and home.device_set == devices))
-
-
-def _device_bytes(aval) -> float:
-  """Bytes of one device's shard of an aval carrying its sharding."""
-  shape = aval.sharding.shard_shape(aval.shape)
-  return float(math.prod(shape) * aval.dtype.itemsize)

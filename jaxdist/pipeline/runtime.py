@@ -1073,9 +1073,48 @@ class PipelineExecutable:
     return [p.cost_analysis() for p in self._programs()]
 
   def get_total_allocation_size(self) -> int:
-    """Bytes per device of the largest program (arguments + outputs − aliased + temp)."""
-    return max(int(a.argument_size_in_bytes + a.output_size_in_bytes - a.alias_size_in_bytes
-                   + a.temp_size_in_bytes) for a in self.memory_analysis())
+    """Bytes per device at the busiest devices' peak (:meth:`device_peaks`), or of the
+    largest program where that is more (an update program)."""
+    largest = max(_program_bytes(a) for a in self.memory_analysis())
+    return int(max(largest, *self.device_peaks().values()))
+
+  def device_peaks(self) -> dict[str, float]:
+    """Per stage (``"stage <s>"``), the bytes per device its devices hold while its
+    backward program runs: that program (arguments + outputs − aliased + temporaries),
+    the optimizer state the devices keep for the update, the stage's inputs kept for the
+    schedule's other micro-batches in flight, and the step's micro-batch slices (cut at
+    the start, on every device). Stages sharing devices (``virtual_stages`` > 1) add up
+    their programs' arguments, state and inputs; the largest of their programs' own
+    outputs and temporaries comes on top."""
+    in_flight = self.schedule.max_in_flight()
+    slices = self.batch_slice_bytes()
+    groups: dict[frozenset, list[tuple[float, float]]] = {}
+    for s, st in enumerate(self.stages):
+      a = st.backward.memory_analysis()
+      kept = (a.argument_size_in_bytes + self.optimizer_bytes(st)
+              + sum(_device_bytes(v) for v in st.in_avals) * max(in_flight[s] - 1, 0))
+      groups.setdefault(frozenset(d.id for d in st.mesh.devices), []).append(
+          (kept, _program_bytes(a) - a.argument_size_in_bytes))
+    peak = {key: sum(k for k, _ in g) + max(r for _, r in g) + slices
+            for key, g in groups.items()}
+    return {f"stage {s}": float(peak[frozenset(d.id for d in st.mesh.devices)])
+            for s, st in enumerate(self.stages)}
+
+  def batch_slice_bytes(self) -> float:
+    """Per device, the micro-batch slices of the loss's batch inputs: all of them are
+    cut at the start of a step, replicated over every device."""
+    loss_eqn = self._step.closed_jaxpr.jaxpr.eqns[self._index]
+    return float(sum(_nbytes(v.aval) for v, is_batch in zip(loss_eqn.invars, self._batch_operand)
+                     if is_batch))
+
+  def optimizer_bytes(self, stage) -> float:
+    """Per device, the optimizer state that lives on ``stage``'s devices (as the update
+    programs' plans lay it out)."""
+    devices = set(stage.mesh.mesh.devices.flat)
+    return float(sum(
+        math.prod(home.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+        for leaf, home in zip(self._step.inputs, self._input_homes)
+        if leaf.role == OPTIMIZER and home.device_set == devices))
 
   def communication(self) -> dict[str, hlo_inspect.CollectiveStats]:
     """Collectives inside the programs for one step (stage programs × micro-batches);
@@ -1089,3 +1128,14 @@ class PipelineExecutable:
                                              stats.wire_bytes * n)
         total[kind] = total.get(kind, hlo_inspect.CollectiveStats()) + scaled
     return total
+
+
+def _program_bytes(a) -> float:
+  return float(a.argument_size_in_bytes + a.output_size_in_bytes - a.alias_size_in_bytes
+               + a.temp_size_in_bytes)
+
+
+def _device_bytes(aval) -> float:
+  """Bytes of one device's shard of an aval carrying its sharding."""
+  shape = aval.sharding.shard_shape(aval.shape)
+  return float(math.prod(shape) * aval.dtype.itemsize)
