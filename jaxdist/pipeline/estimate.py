@@ -34,7 +34,7 @@ from jaxdist import jaxpr_util
 from jaxdist.estimate import Estimate, StageEstimate, estimate_planned
 from jaxdist.liveness import Timeline
 from jaxdist.pipeline.partition import stage_functions
-from jaxdist.pipeline.runtime import _device_bytes
+from jaxdist.pipeline.runtime import device_bytes
 from jaxdist.plan import Plan, PlanEntry
 from jaxdist.shard.strategies import nbytes
 
@@ -68,7 +68,7 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
       part["grads"] += part.pop("optimizer")  # the backward's donated gradient accumulator
     else:
       part = _per_device_parts(per_device, st.mesh.devices[0].platform, exe._frozen)
-    held = sum(_device_bytes(a) for a in st.in_avals) * max(in_flight[s] - 1, 0)
+    held = sum(device_bytes(a) for a in st.in_avals) * max(in_flight[s] - 1, 0)
     program = sum(part.values())
     breakdown = dict(params=part["params"], optimizer=exe.optimizer_bytes(st),
                      batch=part["batch"] + slices, other=part["other"], grads=part["grads"],

@@ -1092,7 +1092,7 @@ class PipelineExecutable:
     for s, st in enumerate(self.stages):
       a = st.backward.memory_analysis()
       kept = (a.argument_size_in_bytes + self.optimizer_bytes(st)
-              + sum(_device_bytes(v) for v in st.in_avals) * max(in_flight[s] - 1, 0))
+              + sum(device_bytes(v) for v in st.in_avals) * max(in_flight[s] - 1, 0))
       groups.setdefault(frozenset(d.id for d in st.mesh.devices), []).append(
           (kept, _program_bytes(a) - a.argument_size_in_bytes))
     peak = {key: sum(k for k, _ in g) + max(r for _, r in g) + slices
@@ -1104,8 +1104,8 @@ class PipelineExecutable:
     """Per device, the micro-batch slices of the loss's batch inputs: all of them are
     cut at the start of a step, replicated over every device."""
     loss_eqn = self._step.closed_jaxpr.jaxpr.eqns[self._index]
-    return float(sum(_nbytes(v.aval) for v, is_batch in zip(loss_eqn.invars, self._batch_operand)
-                     if is_batch))
+    return float(sum(_nbytes(v.aval)
+                     for v, is_batch in zip(loss_eqn.invars, self._batch_operand) if is_batch))
 
   def optimizer_bytes(self, stage) -> float:
     """Per device, the optimizer state that lives on ``stage``'s devices (as the update
@@ -1135,7 +1135,7 @@ def _program_bytes(a) -> float:
                + a.temp_size_in_bytes)
 
 
-def _device_bytes(aval) -> float:
+def device_bytes(aval) -> float:
   """Bytes of one device's shard of an aval carrying its sharding."""
   shape = aval.sharding.shard_shape(aval.shape)
   return float(math.prod(shape) * aval.dtype.itemsize)

@@ -161,9 +161,8 @@ class StrategyGraph:
     (measured: a convolution kernel all-gathered for the forward pass is reversed locally
     for the backward's, not gathered again)."""
     eqn = self.nodes[flow.src].eqn
-    if eqn is None or eqn.primitive.name not in REARRANGING or isinstance(eqn.invars[0], jex.Literal):
-      return False
-    if eqn.invars[0] not in self.producer:
+    if (eqn is None or eqn.primitive.name not in REARRANGING
+        or isinstance(eqn.invars[0], jex.Literal) or eqn.invars[0] not in self.producer):
       return False
     needed = want
     if eqn.primitive.name == "transpose":  # output dim i is operand dim perm[i]
@@ -174,7 +173,8 @@ class StrategyGraph:
       needed = tuple(needed)
     src, pos = self.producer[eqn.invars[0]]
     node = self.nodes[src]
-    return needed == node.strategies[choice[node.group]].out_specs[pos] or (src, pos, needed) in moved
+    held = node.strategies[choice[node.group]].out_specs[pos]
+    return needed == held or (src, pos, needed) in moved
 
   def spec_of(self, var, choice: list[int]) -> DimAxes:
     node_id, pos = self.producer[var]
