@@ -1087,18 +1087,17 @@ class PipelineExecutable:
     their programs' arguments, state and inputs; the largest of their programs' own
     outputs and temporaries comes on top."""
     in_flight = self.schedule.max_in_flight()
-    slices = self.batch_slice_bytes()
+    keys = [frozenset(d.id for d in st.mesh.devices) for st in self.stages]
     groups: dict[frozenset, list[tuple[float, float]]] = {}
-    for s, st in enumerate(self.stages):
+    for s, (st, key) in enumerate(zip(self.stages, keys)):
       a = st.backward.memory_analysis()
       kept = (a.argument_size_in_bytes + self.optimizer_bytes(st)
               + sum(device_bytes(v) for v in st.in_avals) * max(in_flight[s] - 1, 0))
-      groups.setdefault(frozenset(d.id for d in st.mesh.devices), []).append(
-          (kept, _program_bytes(a) - a.argument_size_in_bytes))
+      groups.setdefault(key, []).append((kept, _program_bytes(a) - a.argument_size_in_bytes))
+    slices = self.batch_slice_bytes()
     peak = {key: sum(k for k, _ in g) + max(r for _, r in g) + slices
             for key, g in groups.items()}
-    return {f"stage {s}": float(peak[frozenset(d.id for d in st.mesh.devices)])
-            for s, st in enumerate(self.stages)}
+    return {f"stage {s}": float(peak[key]) for s, key in enumerate(keys)}
 
   def batch_slice_bytes(self) -> float:
     """Per device, the micro-batch slices of the loss's batch inputs: all of them are
