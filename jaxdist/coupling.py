@@ -74,15 +74,15 @@ def _param_vars(step: TracedStep, jaxpr) -> set:
   return {v for v, leaf in zip(jaxpr.invars, step.inputs) if leaf.role == PARAM}
 
 
-def _scaled_sum(v, producer) -> float | None:
-  """``c`` if ``v`` is ``c`` times a ``reduce_sum`` (through casts and scaling by
-  constants: a mean is a scaled sum), else None."""
+def _scaled_sum(v, producer):
+  """``(c, s)`` if ``v`` is ``c`` times the ``reduce_sum`` equation ``s`` (through casts
+  and scaling by constants: a mean is a scaled sum), else None."""
   scale = 1.0
   while v in producer:
     eqn = producer[v]
     name, ins = eqn.primitive.name, eqn.invars
     if name == "reduce_sum":
-      return scale
+      return scale, eqn
     if name == "convert_element_type":
       v = ins[0]
     elif name in ("mul", "div") and isinstance(ins[1], jex.Literal):
@@ -93,6 +93,51 @@ def _scaled_sum(v, producer) -> float | None:
     else:
       return None
   return None
+
+
+def _constant(v, producer) -> float | None:
+  """The value of a scalar literal, possibly cast (as ``jnp.clip`` passes its bound)."""
+  while not isinstance(v, jex.Literal):
+    eqn = producer.get(v)
+    if eqn is None or eqn.primitive.name != "convert_element_type":
+      return None
+    v = eqn.invars[0]
+  return float(v.val) if not _shape(v) else None
+
+
+def _integral(v, producer) -> bool:
+  """Whether ``v`` holds whole numbers by its type: an integer or boolean array, or a
+  cast of one (a mask as ``mask.astype(float)``)."""
+  while True:
+    if jnp.issubdtype(v.aval.dtype, jnp.integer) or v.aval.dtype == jnp.bool_:
+      return True
+    eqn = producer.get(v)
+    if eqn is None or eqn.primitive.name != "convert_element_type":
+      return False
+    v = eqn.invars[0]
+
+
+def _unclamped(v, producer):
+  """The count under a clamp: ``c`` if ``v`` is ``max(c, m)`` (through casts; the idiom
+  ``maximum(mask.sum(), 1)`` that avoids 0 / 0) where ``c`` is ``s`` times a sum of whole
+  numbers and ``0 < m <= s``, so the clamp changes no count but 0. Weighted by ``c``,
+  micro-batches then combine to the whole batch's ``n / max(c, m)`` exactly (a share with
+  ``c = 0`` adds nothing, as the whole batch's sum gets nothing from it). ``v`` itself
+  otherwise."""
+  u = v
+  while u in producer and producer[u].primitive.name == "convert_element_type":
+    u = producer[u].invars[0]
+  eqn = producer.get(u)
+  if eqn is None or eqn.primitive.name != "max" or len(eqn.invars) != 2:
+    return v
+  for count, bound in (eqn.invars, reversed(eqn.invars)):
+    m = _constant(bound, producer)
+    summed = None if isinstance(count, jex.Literal) else _scaled_sum(count, producer)
+    if m is not None and summed is not None:
+      scale, total = summed
+      if 0 < m <= scale and _integral(total.invars[0], producer):
+        return count
+  return v
 
 
 def loss_normalizer(jaxpr, marker_index: int, params: set):
@@ -144,9 +189,9 @@ def normalizer_of(eqns, value, params: set):
   # Both sums, or both means over the same count: each micro-batch's n / d, weighted by
   # its d, then adds up to the whole batch's (a sum over a mean would be off by the
   # number of micro-batches).
-  num, den = eqn.invars
-  scales = _scaled_sum(num, producer), _scaled_sum(den, producer)
-  if None in scales or not math.isclose(*scales, rel_tol=1e-6):
+  num, den = eqn.invars[0], _unclamped(eqn.invars[1], producer)
+  sums = _scaled_sum(num, producer), _scaled_sum(den, producer)
+  if None in sums or not math.isclose(sums[0][0], sums[1][0], rel_tol=1e-6):
     return None
   cone = {den}
   for e in reversed(eqns):

@@ -33,14 +33,14 @@ import jax.extend.core as jex
 from jaxdist import calibration
 from jaxdist import jaxpr_util
 from jaxdist import methods as m
-from jaxdist.accumulate import split_at_marker
+from jaxdist.accumulate import per_example_outputs, split_at_marker
 from jaxdist.coupling import token_weighted
 from jaxdist.grad import GRAD
 from jaxdist.liveness import Timeline
 from jaxdist.mesh import LogicalMesh, device_costs
 from jaxdist.shard.cost import CostModel, combining_for
 from jaxdist.shard.specs import from_partition_spec, num_shards
-from jaxdist.shard.strategies import nbytes
+from jaxdist.shard.strategies import ELEMENTWISE, REDUCTIONS, nbytes
 from jaxdist.trace import BATCH, OPTIMIZER, PARAM, with_micro_batch_trace
 
 ROLE_KEYS = {PARAM: "params", OPTIMIZER: "optimizer", BATCH: "batch"}
@@ -433,8 +433,11 @@ def fixed_layout_collectives(method, traced, layout, lmesh):
   moved = lambda b, dtype: combining.collective_bytes(b, dtype)  # 16-bit as f32 on CPU
   if layout.grad_reduce_specs is not None and traced.marker_index is not None:
     marker = traced.closed_jaxpr.jaxpr.eqns[traced.marker_index]
-    reduced = [moved(nbytes(v), v.aval.dtype)
-               for v, s in zip(marker.invars, layout.grad_reduce_specs) if s is None]
+    # (an aux output with a batch dimension is concatenated where it is, not reduced)
+    reduced = [moved(nbytes(v), v.aval.dtype) for v, s, rows in
+               zip(marker.invars, layout.grad_reduce_specs, per_example_outputs(traced))
+               if s is None and not rows]
+    reduced += [moved(b, dtype) for b, dtype in _split_reductions(traced, layout, lmesh)]
     add("all-reduce", reduced, sum(reduced))
     if token_weighted(traced):  # the token counts, summed before the gradients' reduction
       add("all-reduce", [4.0], 4.0)
@@ -451,6 +454,40 @@ def fixed_layout_collectives(method, traced, layout, lmesh):
     sizes = [moved(_bytes(l.shape, l.dtype), l.dtype) for l, n in _gathers(traced, layout, lmesh)
              for _ in range(n)]
     add("all-gather", sizes, sum(sizes))
+  return out
+
+
+def _split_reductions(traced, layout, lmesh) -> list[tuple[float, Any]]:
+  """(result bytes, dtype) of each reduction the update makes across a split dimension of
+  the state or the reduce-scattered gradients (global-norm clipping's sums of squares,
+  LAMB's norms): the partial results are all-reduced. Splits are followed through
+  elementwise equations only; values that other equations make count as whole."""
+  jaxpr = traced.closed_jaxpr.jaxpr
+  marker = jaxpr.eqns[traced.marker_index]
+  dims = lambda spec: frozenset(d for d, a in enumerate(spec) if a is not None)
+  split = {v: dims(spec) for v, spec in zip(jaxpr.invars, layout.in_specs)
+           if _shards(spec, lmesh) > 1}
+  split.update((v, dims(spec)) for v, spec in zip(marker.outvars, layout.grad_reduce_specs)
+               if spec is not None and _shards(spec, lmesh) > 1)
+  out = []
+  for eqn in jaxpr.eqns[traced.marker_index + 1:]:
+    ins = [(v, split[v]) for v in eqn.invars if not isinstance(v, jex.Literal) and v in split]
+    if not ins:
+      continue
+    name = eqn.primitive.name
+    if name in ELEMENTWISE:
+      shape = eqn.outvars[0].aval.shape
+      found = next((d for v, d in ins if v.aval.shape == shape), None)
+      if found is not None:
+        split.update((o, found) for o in eqn.outvars)
+    elif name in REDUCTIONS and len(ins) == 1:
+      axes, held = set(eqn.params["axes"]), ins[0][1]
+      kept = [d for d in range(len(ins[0][0].aval.shape)) if d not in axes]
+      if held & axes:
+        out.append((nbytes(eqn.outvars[0]), eqn.outvars[0].aval.dtype))
+      rest = frozenset(kept.index(d) for d in held - axes)
+      if rest:
+        split[eqn.outvars[0]] = rest
   return out
 
 

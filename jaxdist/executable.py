@@ -129,8 +129,10 @@ class Executable:
     per step, marked ``DIFFERS`` where either is more than ``tolerance`` apart
     (relative to the larger) or one side has none. The prediction already combines
     collectives as XLA does (``jaxdist.shard.combine``). DataParallel and ZeRO predict
-    their layouts' reductions and gathers; scalar reductions an optimizer makes on ZeRO's
-    split state (LAMB's, adafactor's, global-norm clipping's) are not predicted. A step
+    their layouts' reductions and gathers, and the reductions an optimizer makes across
+    ZeRO's split state (global-norm clipping's sums of squares, LAMB's and adafactor's
+    norms; their bytes, while XLA keeps LAMB's and adafactor's apart, one all-reduce per
+    leaf, where one combined is predicted). A step
     that mixes examples (BatchNorm) runs under them as one program that the shard planner
     places with their input layouts pinned, and is predicted as a ShardParallel plan is.
     """

@@ -69,9 +69,10 @@ def test_gradients_are_reduced_once_per_step(method_cls):
     assert wire[4]["reduce-scatter"] == pytest.approx(7 / 8 * param_bytes, rel=0.01)
 
 
-def token_weighted_setup(batch_size=32, seq_len=16, tx=None):
+def token_weighted_setup(batch_size=32, seq_len=16, tx=None, clamped=False):
   """A GPT whose loss is a token-weighted mean, ``(l * mask).sum() / mask.sum()``, with
-  padding that differs per example (rows 0 and 1 are all padding)."""
+  padding that differs per example (rows 0 and 1 are all padding). ``clamped``: the mask
+  is boolean and the loss ``where(mask, l, 0).sum() / maximum(mask.sum(), 1)``."""
   config = models.GPTConfig(vocab=128, width=32, heads=4, depth=2, seq_len=seq_len)
   batch = models.token_batch(batch_size, config)
   lengths = (jnp.arange(batch_size) * 5) % 13 * (jnp.arange(batch_size) > 1)
@@ -84,6 +85,9 @@ def token_weighted_setup(batch_size=32, seq_len=16, tx=None):
       def loss_fn(params):
         logits = state.apply_fn(params, batch["tokens"][:, :-1])
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:])
+        if clamped:
+          mask = batch["mask"] > 0
+          return jnp.where(mask, loss, 0.0).sum() / jnp.maximum(mask.sum(), 1)
         return (loss * batch["mask"]).sum() / batch["mask"].sum()
 
       loss, grads = value_and_grad(loss_fn)(state.params)
@@ -104,6 +108,23 @@ def test_token_weighted_losses_accumulate_to_the_full_batch_step(method):
   micro-batch losses was 27% off in the update). A share of only padding (count 0)
   adds nothing."""
   make, batch, step_fn = token_weighted_setup()
+  expected = _two_steps(jax.jit(step_fn()), make(), batch)
+  step = jd.parallelize(step_fn(jd.value_and_grad), method=method)
+  assert_trees_close(_two_steps(step, make(), batch), expected, rtol=1e-5, atol=1e-6)
+  notes = step.get_executable(make(), batch).plan.notes
+  assert not any("mixes examples" in note for note in notes), notes
+
+
+@pytest.mark.parametrize("method", [
+    jd.DataParallel(num_micro_batches=2),
+    jd.ShardParallel(logical_mesh_shape=(2, 4), num_micro_batches=2)],
+    ids=["dp-k2", "shard-2x4-k2"])
+def test_a_clamped_token_count_accumulates_to_the_full_batch_step(method):
+  """``maximum(mask.sum(), 1)`` (the guard against 0 / 0) clamps no count of a boolean
+  mask but 0, so weighting by the count is still exact. Before, such a loss counted as
+  mixing examples: each micro-batch divided by its own count and the means were averaged
+  (the first loss 7% and the update 34% off serial on this batch)."""
+  make, batch, step_fn = token_weighted_setup(clamped=True)
   expected = _two_steps(jax.jit(step_fn()), make(), batch)
   step = jd.parallelize(step_fn(jd.value_and_grad), method=method)
   assert_trees_close(_two_steps(step, make(), batch), expected, rtol=1e-5, atol=1e-6)

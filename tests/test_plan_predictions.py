@@ -172,6 +172,30 @@ def test_fixed_layouts_predict_their_collectives(method):
   _assert_predicted_as_compiled(exe)
 
 
+@pytest.mark.parametrize("method", [jd.Zero2Parallel(), jd.Zero3Parallel(num_micro_batches=2)],
+                         ids=["zero2", "zero3-k2"])
+def test_zero_predicts_the_update_s_reductions_over_split_state(method):
+  """Global-norm clipping sums squares over ZeRO's split gradients: XLA all-reduces the
+  partial sums (one combined all-reduce with the loss: 36 B), which were not predicted. A
+  per-example aux output (the predictions) stays where its rows are; it was predicted
+  all-reduced (8196 B predicted before)."""
+  data = models.regression_batch(32, 64, out=64)
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
+  state = models.create_state(models.MLP(hidden=64, num_layers=3, out=64), data["x"], tx=tx)
+
+  def step(state, batch):
+    def loss_fn(params):
+      pred = state.apply_fn(params, batch["x"])
+      return jnp.mean((pred - batch["y"]) ** 2), pred
+
+    (loss, pred), grads = jd.value_and_grad(loss_fn, has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss, "pred": pred}
+
+  exe = jd.parallelize(step, method=method).get_executable(state, data)
+  assert exe.communication()["all-reduce"].result_bytes == 4 * 9, exe.check_communication()
+  _assert_predicted_as_compiled(exe)
+
+
 def test_an_argmax_over_a_split_dim_gathers_the_candidates():
   """Accuracy (an argmax over the classes) with the classes split over "model": XLA takes
   each shard's best (value, index) and all-gathers both; the plan priced an all-reduce."""
