@@ -267,7 +267,9 @@ class PipeshardParallel(Method):
     devices, recompute_modules: as :class:`DataParallel`.
     num_micro_batches: micro-batches per step (the batch must divide by it).
     layer_option: ``"manual"`` (cut at ``jaxdist.mark_pipeline_boundary()`` calls in the
-      differentiated function) or a ``jaxdist.AutoLayerOption``.
+      differentiated function) or a ``jaxdist.AutoLayerOption``. None (default): the
+      function's boundaries where it marks any, else ``AutoLayerOption(layer_num=2)``
+      (Alpa's default).
     stage_option: ``"uniform"``, ``"auto"`` (Alpa's stage DP over layer ranges and
       sub-mesh sizes, see ``jaxdist.pipeline.stages``), a :class:`UniformStageOption` or a
       :class:`ManualStageOption`.
@@ -298,7 +300,7 @@ class PipeshardParallel(Method):
   devices: Any = None
   num_micro_batches: int | None = 1
   recompute_modules: str | None = None
-  layer_option: Any = "manual"
+  layer_option: Any = None
   stage_option: Any = "uniform"
   pipeline_schedule: str = "1f1b"
   default_auto_sharding_option: AutoShardingOption | None = None
@@ -312,9 +314,10 @@ class PipeshardParallel(Method):
     from jaxdist.pipeline.layers import AutoLayerOption
     from jaxdist.pipeline.schedule import SCHEDULES
 
-    if self.layer_option != "manual" and not isinstance(self.layer_option, AutoLayerOption):
+    if self.layer_option not in (None, "manual") and not isinstance(self.layer_option,
+                                                                    AutoLayerOption):
       raise errors.InvalidArgumentError(
-          f"PipeshardParallel(layer_option={self.layer_option!r}): use 'manual' or "
+          f"PipeshardParallel(layer_option={self.layer_option!r}): use None (the default), 'manual' or "
           f"jaxdist.AutoLayerOption(layer_num=...).")
     if (self.stage_option not in ("uniform", "auto")
         and not isinstance(self.stage_option, (UniformStageOption, ManualStageOption))):

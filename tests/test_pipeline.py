@@ -134,6 +134,20 @@ def _two_stage_step(grad_fn, pass_on):
   return step
 
 
+def test_by_default_an_unmarked_model_is_cut_into_two_layers():
+  """The default layer_option (None) takes the model's boundaries where it marks any, else
+  Alpa's AutoLayerOption(layer_num=2); it was 'manual', so a model without marks raised."""
+  make, batch = _gpt(mark_boundaries=False)
+  step = jd.parallelize(models.lm_step(jd.value_and_grad),
+                        method=jd.PipeshardParallel(num_micro_batches=4))
+  exe = step.get_executable(make(), batch)
+  assert len(exe.stages) == 2
+  s1, m1 = step(make(), batch)
+  first = to_host((s1, m1))
+  expected = _serial_twice()
+  assert_trees_close((first, to_host(step(s1, batch))), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_interleaved_stages_share_device_groups_and_match_serial():
   """virtual_stages=2: four stages (model chunks) on two groups of four devices, stage c on
   group c mod 2, run by interleaved 1F1B: equal to serial, bubble (p - 1) / (v m)."""
@@ -448,7 +462,7 @@ def test_pipeline_errors():
 
   make, batch = _gpt(mark_boundaries=False)
   with pytest.raises(errors.InvalidArgumentError, match=r"marks no layer boundary"):
-    run(jd.PipeshardParallel())
+    run(jd.PipeshardParallel(layer_option="manual"))
 
   def marker_outside(state, batch):
     jd.mark_pipeline_boundary()

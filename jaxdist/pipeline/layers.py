@@ -367,6 +367,18 @@ def automatic_layer_construction(fun=None, *, layer_num: int, remat_layer: bool 
   return run
 
 
+def resolve_layer_option(layer_option, jaxpr):
+  """``PipeshardParallel.layer_option`` for the loss ``jaxpr``: as given, or for the
+  default (None) ``"manual"`` where the forward pass marks boundaries (also only inside a
+  loop, so that the error says why they cannot cut it) and else Alpa's default,
+  ``AutoLayerOption(layer_num=2)``."""
+  if layer_option is not None:
+    return layer_option
+  marked = (jaxpr_util.find_eqns(jaxpr, boundary_p.name)
+            or jaxpr_util.find_eqns(jaxpr, layer_marker_p.name) or _has_boundary(jaxpr))
+  return "manual" if marked else AutoLayerOption(layer_num=2)
+
+
 def manual_starts(jaxpr, owner: str) -> tuple[int, ...]:
   """The first equation of each layer when ``jaxpr`` is cut at its boundary markers.
 

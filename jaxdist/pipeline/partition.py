@@ -100,11 +100,11 @@ def _is_float(aval) -> bool:
 
 
 def layer_starts(method: m.PipeshardParallel, jaxpr) -> tuple[int, ...]:
-  if method.layer_option == "manual":
+  opt = layers_mod.resolve_layer_option(method.layer_option, jaxpr)
+  if opt == "manual":
     return layers_mod.manual_starts(
         jaxpr, "PipeshardParallel(layer_option='manual'), in the function passed to "
         "jaxdist.grad / value_and_grad")
-  opt = method.layer_option
   return layers_mod.cluster_layers(jaxpr, opt.layer_num, opt.eps).starts
 
 

@@ -159,7 +159,8 @@ def plan(method: m.PipeshardParallel, step: TracedStep, lmesh: LogicalMesh, inde
                for e in loss_jaxpr.eqns)
   if not marked:  # weights already stacked: a scan over layers
     stack = find_scanned_stack(loss_jaxpr, loss.num_consts)
-  if stack is None and method.layer_option == "manual":
+  if stack is None and layers_mod.resolve_layer_option(method.layer_option,
+                                                        loss_jaxpr) == "manual":
     starts = layer_starts(method, loss_jaxpr)
     stack = find_stack(loss_jaxpr, loss.num_consts, starts)
     if not isinstance(stack, str) and (stack.layers[0] > 1 or stack.layers[1] < len(starts) - 1):
