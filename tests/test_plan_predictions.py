@@ -196,6 +196,30 @@ def test_zero_predicts_the_update_s_reductions_over_split_state(method):
   _assert_predicted_as_compiled(exe)
 
 
+def test_a_metric_of_the_per_example_aux_combines_with_the_gradients_reduction():
+  """With micro-batches the gradients are reduced after the loop; a metric computed from
+  the per-example aux (an error over the batch) needs no gradient, so XLA combines its
+  all-reduce with theirs: predicted 2 all-reduces before (the metric's own op counted
+  apart), compiled 1."""
+  data = models.regression_batch(32, 64, out=64)
+  state = models.create_state(models.MLP(hidden=64, num_layers=3, out=64), data["x"],
+                              tx=optax.sgd(0.1))
+
+  def step(state, batch):
+    def loss_fn(params):
+      pred = state.apply_fn(params, batch["x"])
+      return jnp.mean((pred - batch["y"]) ** 2), pred
+
+    (loss, pred), grads = jd.value_and_grad(loss_fn, has_aux=True)(state.params)
+    error = jnp.abs(pred - batch["y"]).mean()
+    return state.apply_gradients(grads=grads), {"loss": loss, "error": error}
+
+  method = jd.ShardParallel(devices=_mesh((2, 4), H100), num_micro_batches=2)  # data parallel
+  exe = jd.parallelize(step, method=method).get_executable(state, data)
+  assert exe.communication()["all-reduce"].count == 1, exe.check_communication()
+  _assert_predicted_as_compiled(exe)
+
+
 def test_an_argmax_over_a_split_dim_gathers_the_candidates():
   """Accuracy (an argmax over the classes) with the classes split over "model": XLA takes
   each shard's best (value, index) and all-gathers both; the plan priced an all-reduce."""

@@ -152,7 +152,8 @@ class Members:
 def predict(graph, choice, cost_model: CostModel,
             repeat=lambda node, kind, axes: 1,
             axes_of=lambda node, axes: axes,
-            at_source=lambda node: False, batch_axes=None) -> dict[str, dict[str, float]]:
+            at_source=lambda node: False, batch_axes=None,
+            extra=()) -> dict[str, dict[str, float]]:
   """kind → {"count", "result_bytes"} per step of a solved plan, combined as XLA does.
 
   ``count`` is, per kind and mesh axes, the longest chain of collectives that depend on
@@ -163,6 +164,9 @@ def predict(graph, choice, cost_model: CostModel,
   of the batch: k times as many ops, the same bytes). ``axes_of(node, axes)``: the mesh
   axes a node's collective really runs over (inside a ``shard_map``, not its manual ones).
   ``at_source``, ``batch_axes``: as :meth:`StrategyGraph.collectives`.
+  ``extra``: ``(node, pos, (kind, axes, bytes))`` per collective that runs once on
+  ``node``'s output ``pos`` (a gradient's reduction after a micro-batch loop): what reads
+  the node's other outputs does not wait for it, and may combine with it.
   """
   combining = cost_model.combining
   sizes = cost_model.axis_sizes
@@ -173,31 +177,44 @@ def predict(graph, choice, cost_model: CostModel,
       at_node[k].append((kind, tuple(axes), nbytes))
   out: dict[str, dict[str, float]] = {}
   keys = {(kind, axes) for cs in at_node.values() for kind, axes, _ in cs}
+  keys |= {(kind, tuple(axes)) for _, _, (kind, axes, _) in extra}
   preds = defaultdict(list)
   for flow in graph.flows:
     if not flow.tied:
-      preds[flow.dst].append(flow.src)
+      preds[flow.dst].append((flow.src, flow.pos))
   for kind, axes in sorted(keys):
     entries = [(k, b) for k, cs in at_node.items() for c_kind, c_axes, b in cs
                if (c_kind, c_axes) == (kind, axes)]
-    total = sum(b * graph.nodes[k].weight for k, b in entries)
+    late_entries = [(k, pos, b) for k, pos, (c_kind, c_axes, b) in extra
+                    if (c_kind, tuple(c_axes)) == (kind, axes)]
+    late = defaultdict(set)  # node → its outputs an extra collective of this kind reduces
+    for k, pos, _ in late_entries:
+      late[k].add(pos)
+    total = (sum(b * graph.nodes[k].weight for k, b in entries)
+             + sum(b for _, _, b in late_entries))
     if kind in combining.kinds:
       count = 0
       regions = defaultdict(list)  # a loop body's collectives combine only with each other
       for k, b in entries:
-        regions[graph.nodes[k].region].append((k, b))
+        regions[graph.nodes[k].region].append((k, b, False))
+      for k, _, b in late_entries:
+        regions[graph.nodes[k].region].append((k, b, True))
       for members in regions.values():
         weight = defaultdict(int)
-        for k, _ in members:
-          weight[k] += repeat(k, kind, axes)
+        for k, _, is_late in members:  # late ones at a node: one combined op
+          weight[k] += 1 if is_late else repeat(k, kind, axes)
+        for k in {k for k, _, is_late in members if is_late}:
+          weight[k] -= sum(is_late for j, _, is_late in members if j == k) - 1
         chain = np.zeros(len(graph.nodes), dtype=np.int64)
         for k in range(len(graph.nodes)):
-          chain[k] = max((chain[p] for p in preds[k]), default=0) + weight[k]
+          chain[k] = max((chain[p] - (p in late and pos not in late[p]) for p, pos in preds[k]),
+                         default=0) + weight[k]
         count += graph.nodes[members[0][0]].weight * max(
-            int(chain.max()), math.ceil(sum(b for _, b in members) / combining.threshold_bytes),
+            int(chain.max()), math.ceil(sum(b for _, b, _ in members) / combining.threshold_bytes),
             math.ceil(len(members) / combining.threshold_count))
     else:
-      count = sum(repeat(k, kind, axes) * graph.nodes[k].weight for k, _ in entries)
+      count = (sum(repeat(k, kind, axes) * graph.nodes[k].weight for k, _ in entries)
+               + len(late_entries))
     entry = out.setdefault(kind, {"count": 0, "result_bytes": 0.0})
     entry["count"] += count
     entry["result_bytes"] += total

@@ -475,12 +475,10 @@ def _micro_batch_predictions(step: TracedStep, plan: MeshPlan, layout: Layout, k
   # A value that no batch input reaches (a parameter) is the same in every iteration:
   # XLA hoists its resharding out of the loop, so it runs once.
   varies = {graph.producer[v][0] for v in batch_varying(jaxpr, step, list(graph.producer))}
-  predicted = combine.predict(
-      graph, choice, cost_model, repeat=lambda node, kind, axes: k if inside(node) else 1,
-      axes_of=axes_of, at_source=lambda node: node not in varies, batch_axes=layout.batch_axes)
-  reductions = {}
+  reduced = {}  # marked value → the kind and bytes of its reduction after the loop
   producer = {id(o): i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
-  for v, spec, each in zip(marker.invars, layout.grad_reduce_specs, per_example_outputs(step)):
+  for j, (v, spec, each) in enumerate(zip(marker.invars, layout.grad_reduce_specs,
+                                          per_example_outputs(step))):
     if isinstance(v, jex.Literal) or not _produced(v, graph) or shards == 1 or each:
       continue  # (a per-example aux is concatenated where it is: no reduction)
     local = tuple(tuple(a for a in axes if a not in batch) for axes in graph.spec_of(v, choice))
@@ -490,10 +488,11 @@ def _micro_batch_predictions(step: TracedStep, plan: MeshPlan, layout: Layout, k
     split_inside = producer.get(id(v)) in layout.eqn_constraints and any(local)
     nbytes_ = cost_model.combining.collective_bytes(nbytes_, v.aval.dtype)
     if spec is None or split_inside:
-      reductions.setdefault("all-reduce", []).append(nbytes_)
+      reduced[j] = ("all-reduce", nbytes_)
     else:
-      reductions.setdefault("reduce-scatter", []).append(nbytes_ / shards)
+      reduced[j] = ("reduce-scatter", nbytes_ / shards)
   # A parameter split over a batch axis enters the region gathered over it, once.
+  gathers = []
   read = {v for e in jaxpr.eqns if id(e) in looped for v in e.invars
           if not isinstance(v, jex.Literal)}
   for v, spec in zip(jaxpr.invars, plan.input_specs):
@@ -501,11 +500,19 @@ def _micro_batch_predictions(step: TracedStep, plan: MeshPlan, layout: Layout, k
         a in batch for axes in spec for a in axes):
       local = tuple(tuple(a for a in axes if a not in batch) for axes in spec)
       gathered = cost_model.combining.collective_bytes(nbytes(v), v.aval.dtype)
-      reductions.setdefault("all-gather", []).append(gathered / num_shards(local, sizes))
-  for kind, sizes_ in reductions.items():
-    entry = predicted.setdefault(kind, {"count": 0, "result_bytes": 0.0})
-    entry["count"] += cost_model.combining.count(kind, sizes_)
-    entry["result_bytes"] += sum(sizes_)
+      gathers.append(gathered / num_shards(local, sizes))
+  # Each marked value is reduced after the loop, where its producer put it: what reads
+  # none of them (a metric of the per-example aux) does not wait, and combines with them.
+  axes = tuple(a for a in cost_model.axis_sizes if a in batch)
+  late = [(*graph.producer[marker.invars[j]], (kind, axes, b)) for j, (kind, b) in reduced.items()]
+  predicted = combine.predict(
+      graph, choice, cost_model, repeat=lambda node, kind, axes: k if inside(node) else 1,
+      axes_of=axes_of, at_source=lambda node: node not in varies, batch_axes=layout.batch_axes,
+      extra=late)
+  if gathers:
+    entry = predicted.setdefault("all-gather", {"count": 0, "result_bytes": 0.0})
+    entry["count"] += cost_model.combining.count("all-gather", gathers)
+    entry["result_bytes"] += sum(gathers)
   if shards > 1 and token_weighted(step):
     # The micro-batches' token counts are summed first (the gradients are divided by it
     # before their reduction, so it is an op of its own).
