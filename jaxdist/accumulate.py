@@ -26,6 +26,7 @@ equation. Without batch axes (a plan that does not split the batch) there is no
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import warnings
@@ -38,6 +39,7 @@ from jax.sharding import PartitionSpec
 from jaxdist import coupling, errors
 from jaxdist import jaxpr_util, rng
 from jaxdist.shard.specs import from_partition_spec, to_partition_spec
+from jaxdist.shard.strategies import ELEMENTWISE
 from jaxdist.trace import BATCH, PARAM, TracedStep
 
 
@@ -356,7 +358,31 @@ def random_bits_hooks(step: TracedStep, split: GradSplit, axes, num_shards: int,
     device = jax.lax.axis_index(axes) if axes is not None else 0
     return device * k + micro_index()
 
-  return rng.row_hooks(micro_eqns, draws, part, before, after)
+  # A draw whose mask the backward pass does not read (a recomputed block's: the backward
+  # draws again) waits for the activations computed before it (see rng.row_hooks); one
+  # whose mask is kept for the backward may run early, as XLA likes.
+  marker = micro_eqns[split.grad_marker]
+  values = [v for v, kind in zip(marker.invars, marker.params["kinds"]) if kind == "value"]
+  producer = {v: i for i, e in enumerate(micro_eqns) for v in e.outvars}
+  loss = producer.get(values[0], len(micro_eqns)) if values else len(micro_eqns)
+  varying = {v for v, leaf in zip(split.grad_jaxpr.jaxpr.invars, step.inputs) if leaf.role == BATCH}
+  anchors, derived = set(), {}  # derived: a value computed elementwise from a draw → the draw
+  last_read = collections.defaultdict(int)
+  for i, eqn in enumerate(micro_eqns):
+    ins = [v for v in eqn.invars if not isinstance(v, jex.Literal)]
+    if any(v in varying for v in ins):
+      varying.update(eqn.outvars)
+      anchors.add(i)
+    for v in ins:
+      if v in derived:  # the mask follows through ops on the bits and scalars alone
+        last_read[derived[v]] = i
+        if (eqn.primitive.name in ELEMENTWISE | {"bitcast_convert_type"}
+            and all(u is v or math.prod(u.aval.shape) == 1 for u in ins)):
+          derived.update((o, derived[v]) for o in eqn.outvars)
+    if i in draws and not isinstance(draws[i], dict):
+      derived.update((o, i) for o in eqn.outvars)
+  anchored = {d for d in draws if last_read[d] <= loss}
+  return rng.row_hooks(micro_eqns, draws, part, before, after, anchors, anchored)
 
 
 def streaming_hooks(jaxpr, streamed: dict, axes, before=None, after=None):

@@ -1,7 +1,13 @@
-"""Shared helpers: the serial reference step and tree comparisons."""
+"""Shared helpers: the serial reference step, tree comparisons, a dropout model."""
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+from flax.training import train_state
+
+import jaxdist as jd
 
 
 def serial(step, *args):
@@ -42,3 +48,40 @@ def make_step_script(directory) -> str:
   script = directory / "make.py"
   script.write_text(MAKE_STEP_SCRIPT)
   return f"{script}:make_step"
+
+
+class DropoutBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(4 * x.shape[-1])(nn.LayerNorm()(x))
+    h = nn.Dropout(0.1, deterministic=False)(nn.gelu(h))
+    return x + nn.Dense(x.shape[-1])(h)
+
+
+class DropoutNet(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(4):
+      x = DropoutBlock()(x)
+    return nn.Dense(1)(x)
+
+
+def dropout_net():
+  """(step, state, batch): 4 residual MLP blocks with dropout (width 128, batch 64 x 32
+  positions), SGD + momentum, the step drawing its dropout key from the step count."""
+  x = jax.random.normal(jax.random.key(0), (64, 32, 128))
+  batch = {"x": x, "y": jnp.zeros((64, 32, 1))}
+  model = DropoutNet()
+  state = train_state.TrainState.create(apply_fn=model.apply, params=model.init(
+      jax.random.key(1), x), tx=optax.sgd(0.1, momentum=0.9))
+
+  def step(state, batch):
+    rngs = {"dropout": jax.random.fold_in(jax.random.key(2), state.step)}
+
+    def loss_fn(params):
+      return jnp.mean((state.apply_fn(params, batch["x"], rngs=rngs) - batch["y"]) ** 2)
+
+    loss, grads = jd.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+  return step, state, batch
