@@ -317,8 +317,8 @@ class PipeshardParallel(Method):
     if self.layer_option not in (None, "manual") and not isinstance(self.layer_option,
                                                                     AutoLayerOption):
       raise errors.InvalidArgumentError(
-          f"PipeshardParallel(layer_option={self.layer_option!r}): use None (the default), 'manual' or "
-          f"jaxdist.AutoLayerOption(layer_num=...).")
+          f"PipeshardParallel(layer_option={self.layer_option!r}): use None (the default), "
+          f"'manual' or jaxdist.AutoLayerOption(layer_num=...).")
     if (self.stage_option not in ("uniform", "auto")
         and not isinstance(self.stage_option, (UniformStageOption, ManualStageOption))):
       raise errors.InvalidArgumentError(
