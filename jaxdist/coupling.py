@@ -78,7 +78,7 @@ def _scaled_sum(v, producer):
   """``(c, s)`` if ``v`` is ``c`` times the ``reduce_sum`` equation ``s`` (through casts
   and scaling by constants: a mean is a scaled sum), else None."""
   scale = 1.0
-  while v in producer:
+  while not isinstance(v, jex.Literal) and v in producer:
     eqn = producer[v]
     name, ins = eqn.primitive.name, eqn.invars
     if name == "reduce_sum":
@@ -111,7 +111,7 @@ def _integral(v, producer) -> bool:
   while True:
     if jnp.issubdtype(v.aval.dtype, jnp.integer) or v.aval.dtype == jnp.bool_:
       return True
-    eqn = producer.get(v)
+    eqn = None if isinstance(v, jex.Literal) else producer.get(v)
     if eqn is None or eqn.primitive.name != "convert_element_type":
       return False
     v = eqn.invars[0]
@@ -125,9 +125,10 @@ def _unclamped(v, producer):
   ``c = 0`` adds nothing, as the whole batch's sum gets nothing from it). ``v`` itself
   otherwise."""
   u = v
-  while u in producer and producer[u].primitive.name == "convert_element_type":
+  while (not isinstance(u, jex.Literal) and u in producer
+         and producer[u].primitive.name == "convert_element_type"):
     u = producer[u].invars[0]
-  eqn = producer.get(u)
+  eqn = None if isinstance(u, jex.Literal) else producer.get(u)
   if eqn is None or eqn.primitive.name != "max" or len(eqn.invars) != 2:
     return v
   for count, bound in (eqn.invars, reversed(eqn.invars)):

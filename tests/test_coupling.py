@@ -3,12 +3,14 @@ the single-device semantics under DataParallel and ZeRO with jaxdist.grad: gradi
 computed over the whole batch, not per device. Numerics: SGD with momentum, rtol 1e-5 /
 atol 1e-6 against the serial step."""
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 import jaxdist as jd
-from jaxdist import models
+from jaxdist import jaxpr_util, models
 from jaxdist.bench import wresnet
-from jaxdist.coupling import batch_coupling
+from jaxdist.coupling import batch_coupling, normalizer_of
 from jaxdist.trace import trace_step
 from helpers import assert_trees_close, serial, to_host
 
@@ -76,3 +78,21 @@ def test_only_a_batch_sum_dividing_a_batch_sum_is_a_token_count():
   assert "batch statistic" in batch_coupling(mean)
   learned = step_with(lambda p, mask: mask.sum() + p["w"].sum())
   assert batch_coupling(learned) is not None
+
+
+@pytest.mark.parametrize("loss,mask,found", [
+    (lambda l, m: jnp.where(m, l, 0.0).sum() / jnp.maximum(m.sum(), 1), bool, True),
+    (lambda l, m: jnp.where(m, l, 0.0).sum() / jnp.maximum(1, m.sum()), bool, True),
+    (lambda l, m: jnp.where(m, l, 0.0).sum() / jnp.clip(m.sum(), 1), bool, True),
+    (lambda l, m: (l * m).sum() / jnp.clip(m.astype(jnp.float32).sum(), 1.0), bool, True),
+    (lambda l, m: (l * m).sum() / m.sum(), jnp.float32, True),
+    # a float mask's share may weigh less than the bound; a bound above 1 clamps counts
+    (lambda l, m: (l * m).sum() / jnp.maximum(m.sum(), 1.0), jnp.float32, False),
+    (lambda l, m: jnp.where(m, l, 0.0).sum() / jnp.maximum(m.sum(), 2), bool, False),
+], ids=["maximum", "maximum-reversed", "clip", "clip-cast", "plain", "float-mask", "bound-2"])
+def test_token_counts_clamped_against_zero_are_normalizers(loss, mask, found):
+  """``jnp.clip`` passes its bound through a cast inside a call: following it into the
+  literal raised TypeError (unhashable Literal) while the step was traced."""
+  closed = jaxpr_util.inline_calls(jax.make_jaxpr(loss)(jnp.ones(8), jnp.ones(8, mask)))
+  jaxpr = closed.jaxpr
+  assert (normalizer_of(jaxpr.eqns, jaxpr.outvars[0], set()) is not None) == found
