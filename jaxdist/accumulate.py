@@ -12,7 +12,9 @@ The traced step is split at the gradient marker (``jaxdist.grad``):
   ``psum`` (replicated result), or a ``psum_scatter`` (reduce-scatter) where the
   layout wants the gradient sharded (ZeRO). Float values are divided by
   ``k × devices``: the mean over micro-batches and batch shards, which is the
-  full-batch value for a loss that is a mean over examples;
+  full-batch value for a loss that is a mean over examples; a loss (or aux) that is a
+  constant times a sum over the batch (``jnp.sum``, ``-ll.sum() / 100``) is weighted
+  by ``coupling.part_scale`` instead (1 for a plain sum), so the parts add up;
 - the *apply part*, the equations that produce the step's outputs from the marked
   values (the optimizer update), runs as ordinary sharded code with the reduced
   values substituted for the marker's outputs.
@@ -186,6 +188,22 @@ def localize(full, micro, ids, eqn_constraints: dict, batch_axes: tuple[str, ...
   return out
 
 
+def part_scales(step: TracedStep, split: GradSplit, parts: int) -> list[float | None]:
+  """Per marker output, the weight of one micro-batch shard's value in the whole batch's
+  (``coupling.part_scale``: 1 for a loss that sums over the batch; None for a mean, which
+  is divided by ``parts``); gradients take the loss value's."""
+  if step.micro_jaxpr is None:
+    return [None] * len(split.kinds)
+  whole = step.closed_jaxpr.jaxpr
+  part = split.grad_jaxpr.jaxpr
+  pairs = zip(whole.eqns[step.marker_index].invars, part.eqns[split.grad_marker].invars)
+  scales = [coupling.part_scale(whole.eqns, w, part.eqns, p, parts)
+            if kind != "grad" and not isinstance(w, jex.Literal) else None
+            for kind, (w, p) in zip(split.kinds, pairs)]
+  value = next((c for c, kind in zip(scales, split.kinds) if kind == "value"), None)
+  return [value if kind == "grad" else c for c, kind in zip(scales, split.kinds)]
+
+
 def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro_batches: int,
                   reduce_specs: tuple[PartitionSpec | None, ...],
                   eqn_constraints: dict | None = None,
@@ -255,6 +273,7 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
       grad_jaxpr, split.grad_marker,
       {grad_jaxpr.invars[i] for i, leaf in enumerate(step.inputs) if leaf.role == PARAM})
   weighted = [normalizer is not None and kind != "aux" for kind in split.kinds]
+  scales = part_scales(step, split, k * num_shards)
 
   def grads_one(values):
     restart()
@@ -301,7 +320,10 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
         reduced.append(x)
         continue
       if jnp.issubdtype(x.dtype, jnp.inexact):
-        x = x / (weight.astype(x.dtype) if weighted[j] else k * num_shards)
+        if weighted[j]:
+          x = x / weight.astype(x.dtype)
+        else:
+          x = x / (k * num_shards) if scales[j] is None else x * scales[j]
       if axes is None:
         reduced.append(x)
       elif spec is None:

@@ -85,6 +85,8 @@ def _scaled_sum(v, producer):
       return scale, eqn
     if name == "convert_element_type":
       v = ins[0]
+    elif name == "neg":
+      scale, v = -scale, ins[0]
     elif name in ("mul", "div") and isinstance(ins[1], jex.Literal):
       scale = scale * float(ins[1].val) if name == "mul" else scale / float(ins[1].val)
       v = ins[0]
@@ -93,6 +95,29 @@ def _scaled_sum(v, producer):
     else:
       return None
   return None
+
+
+def part_scale(whole_eqns, whole_value, part_eqns, part_value, parts: int) -> float | None:
+  """The weight of one part of the batch (a device's share, a micro-batch) in the whole
+  batch's ``value``: the parts' values and gradients, each multiplied by it, add up to the
+  whole batch's. ``value`` is ``c`` times a sum over the batch in both traces (a mean is
+  ``1 / size`` times one, ``jnp.sum(...) / 1000`` is ``1 / 1000`` times one, in either
+  trace), so the weight is ``c_whole / c_part``: 1 for a sum, ``1 / parts`` for a mean.
+
+  Returns None where ``value`` is not such a sum in both traces (it is then averaged over
+  the parts), and for a mean (weight ``1 / parts``), which callers divide by ``parts``.
+  """
+  sums = [_scaled_sum(v, {o: e for e in eqns for o in e.outvars})
+          for eqns, v in ((whole_eqns, whole_value), (part_eqns, part_value))]
+  if None in sums or sums[1][0] == 0:
+    return None
+  (c_whole, whole), (c_part, part) = sums
+  # Summed over the batch: the summed operand shrinks with the part, the sum does not.
+  if (_shape(whole.invars[0]) == _shape(part.invars[0])
+      or _shape(whole.outvars[0]) != _shape(part.outvars[0])):
+    return None
+  scale = c_whole / c_part
+  return None if math.isclose(scale, 1 / parts, rel_tol=1e-6) else scale
 
 
 def _constant(v, producer) -> float | None:

@@ -132,6 +132,51 @@ def test_a_clamped_token_count_accumulates_to_the_full_batch_step(method):
   assert not any("mixes examples" in note for note in notes), notes
 
 
+def _sum_loss_setup():
+  """A GPT (boundaries after each block) whose loss is a negated sum over every token's
+  log-likelihood divided by a constant that is not the batch size, with a float aux that
+  sums over the batch (a token count read from the batch) and one that is a mean."""
+  config = models.GPTConfig(vocab=64, width=32, heads=2, depth=4, seq_len=16,
+                            mark_boundaries=True)
+  batch = models.token_batch(16, config)
+  make = lambda: models.create_state(models.GPT(config), batch["tokens"][:, :-1],
+                                     tx=optax.sgd(1e-3))
+
+  def step_fn(value_and_grad=jax.value_and_grad):
+    def train_step(state, batch):
+      tokens = batch["tokens"]
+
+      def loss_fn(params):
+        logp = jax.nn.log_softmax(state.apply_fn(params, tokens[:, :-1]))
+        ll = jnp.take_along_axis(logp, tokens[:, 1:, None], -1)
+        counted = jnp.sum((tokens[:, 1:] >= 0).astype(jnp.float32))
+        return -jnp.sum(ll) / 100.0, {"tokens": counted, "mean_ll": jnp.mean(ll)}
+
+      (loss, aux), grads = value_and_grad(loss_fn, has_aux=True)(state.params)
+      return state.apply_gradients(grads=grads), {"loss": loss, **aux}
+
+    return train_step
+
+  return make, batch, step_fn
+
+
+@pytest.mark.parametrize("method", [
+    jd.DataParallel(),
+    jd.ShardParallel(logical_mesh_shape=(2, 4), num_micro_batches=2),
+    jd.PipeshardParallel(num_micro_batches=2, layer_option="manual", runtime="mpmd"),
+    jd.PipeshardParallel(num_micro_batches=4, runtime="spmd", pipeline_schedule="1f1b")],
+    ids=["dp", "shard-2x4-k2", "mpmd-pipeline", "spmd-1f1b"])
+def test_a_loss_that_sums_over_the_batch_is_summed_over_its_parts(method):
+  """A device's share and a micro-batch of ``-sum(ll) / 100`` weigh 1 in the whole
+  batch's loss, not 1 / parts as a mean's do (``coupling.part_scale``): the parts' losses,
+  gradients and summed aux add up. Before, every method but ShardParallel without
+  micro-batches averaged them: the loss came back 1/8 of serial and the update was off."""
+  make, batch, step_fn = _sum_loss_setup()
+  expected = _two_steps(jax.jit(step_fn()), make(), batch)
+  step = jd.parallelize(step_fn(jd.value_and_grad), method=method)
+  assert_trees_close(_two_steps(step, make(), batch), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_rows_of_random_bits_are_the_whole_draws_rows():
   key = jax.random.fold_in(jax.random.key(3), 7)
   for width, dtype in ((32, jnp.uint32), (16, jnp.uint16)):

@@ -19,7 +19,9 @@ Per device, every value crossing the stage is one of:
   stage reading it sums its cotangent over the devices; the stage writing it, which
   computes it alike on every device, takes 1/devices of the cotangent on each;
 - a loss output: same shape, computed from the batch (the loss, aux): its mean (float)
-  or sum (int) over the devices, and its cotangent divided by the device count.
+  or sum (int) over the devices, and its cotangent divided by the device count; a float
+  output that sums over the batch (``jnp.sum`` of per-example losses) is summed instead,
+  each device's weighted by ``coupling.part_scale``, and so is its cotangent.
 
 Anything else (a batch statistic passed between stages, a stage whose equations do not
 line up) keeps the stage on its shard plan, noted in the plan.
@@ -34,7 +36,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxdist import accumulate, jaxpr_util, rng
+from jaxdist import accumulate, coupling, jaxpr_util, rng
 from jaxdist.pipeline import capture
 from jaxdist.pipeline.partition import Stage, stage_functions
 from jaxdist.shard.specs import from_partition_spec, to_partition_spec
@@ -51,6 +53,8 @@ class PerDeviceStage:
     stage: the stage in it (operands, activations in and out in the micro stage's order).
     operands, acts_in, acts_out: per value, (kind, split dimension or None).
     num_shards: the parts a micro-batch is split into.
+    scales: per activation out, a loss output's weight per device
+      (``coupling.part_scale``: 1 for a sum over the batch), or None: the mean.
     axes: the mesh axes it is split over (the programs are manual over them), or empty:
       over all axes, one part per device.
   """
@@ -61,6 +65,7 @@ class PerDeviceStage:
   acts_in: tuple
   acts_out: tuple
   num_shards: int = 1
+  scales: tuple = ()
   axes: tuple = ()
 
 
@@ -135,8 +140,10 @@ def per_device_stage(loss: capture.CapturedLoss, device_loss: capture.CapturedLo
       jd.eqns, whole.eqns, jaxpr_util.align(jd.eqns, whole.eqns), ids, parts)
   device_stage = dataclasses.replace(stage, eqns=ids, acts_in=tuple(acts_in),
                                      acts_out=tuple(acts_out), draws=draws)
+  scales = tuple(coupling.part_scale(jm.eqns, u, jd.eqns, v, n) if kind[0] == LOSS_OUTPUT
+                 else None for u, v, kind in zip(stage.acts_out, acts_out, kinds["acts_out"]))
   return PerDeviceStage(device_loss, device_stage, kinds["operands"], kinds["acts_in"],
-                        kinds["acts_out"], n)
+                        kinds["acts_out"], n, scales)
 
 
 def _spec(kind, axes) -> PartitionSpec:
@@ -205,15 +212,19 @@ def programs(pd: PerDeviceStage, mesh, frozen: frozenset = frozenset(), indexed:
     for p, kind in enumerate(pd.acts_out):
       if kind[0] == LOSS_OUTPUT:
         x = outs[p]
-        outs[p] = (jax.lax.pmean(x, axes) if jnp.issubdtype(x.dtype, jnp.inexact)
-                   else jax.lax.psum(x, axes))
+        if not jnp.issubdtype(x.dtype, jnp.inexact):
+          outs[p] = jax.lax.psum(x, axes)
+        else:
+          outs[p] = (jax.lax.pmean(x, axes) if pd.scales[p] is None
+                     else jax.lax.psum(x * pd.scales[p], axes))
     return outs
 
   def local_backward(operands, acts_in, cotangents, accumulated, index):
-    # A loss output is the mean of the devices' values, and a replicated output is
-    # computed alike on every device whose gradient rows are summed: each device takes
-    # its share of the cotangent.
-    cotangents = [c if pd.acts_out[p][0] == SPLIT else c / n
+    # A loss output is the devices' values weighted (by default their mean), and a
+    # replicated output is computed alike on every device whose gradient rows are
+    # summed: each device takes its share of the cotangent.
+    cotangents = [c if pd.acts_out[p][0] == SPLIT else
+                  c / n if pd.scales[p] is None else c * pd.scales[p]
                   for p, c in zip(float_out, cotangents)]
     sums, act_cots = backward(operands, acts_in, cotangents, [a[0] for a in accumulated], *index)
     act_cots = [jax.lax.psum(c, axes) if pd.acts_in[p][0] == REPLICATED else c

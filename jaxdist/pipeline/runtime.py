@@ -616,6 +616,16 @@ class PipelineExecutable:
     return coupling.normalizer_of(loss.eqns, loss.outvars[0],
                                   set(loss.invars[self._loss.num_consts:]))
 
+  @functools.cached_property
+  def _scales(self) -> list[float | None]:
+    """Per loss output, a micro-batch's weight in the whole batch's value
+    (``coupling.part_scale``: 1 for a sum over the batch; None: the mean over
+    micro-batches); the micro-batches' backward passes are seeded with the loss's."""
+    micro, whole = self._loss.closed.jaxpr, self._whole
+    return [None if isinstance(w, jex.Literal) else
+            coupling.part_scale(whole.eqns, w, micro.eqns, v, self._k)
+            for w, v in zip(whole.outvars, micro.outvars)]
+
   def _compile_weigher(self):
     """For a token-weighted loss ``n / d`` (``coupling.normalizer_of``): a program that
     computes each micro-batch's share ``d_b / Σ d`` from the micro-batch slices, read
@@ -940,7 +950,8 @@ class PipelineExecutable:
           v = st.acts_out[p]
           c = cots.pop((b, v), None)
           if v is jaxpr.outvars[0]:  # the loss value: d(mean over micro-batches)/d(value_b)
-            c = self._constant(a, 1.0 / k) if shares is None else shares[b].astype(a.dtype)
+            c = (self._constant(a, 1.0 / k if self._scales[0] is None else self._scales[0])
+                 if shares is None else shares[b].astype(a.dtype))
           t0 = clock()
           cot_out.append(move(c, a.sharding) if c is not None else self._constant(a, 0.0))
           move_s += clock() - t0
@@ -1001,7 +1012,10 @@ class PipelineExecutable:
         results.append(sum(parts[1:], parts[0]))
         continue
       total = sum(parts[1:], parts[0])
-      results.append(total / k if jnp.issubdtype(total.dtype, jnp.inexact) else total)
+      if not jnp.issubdtype(total.dtype, jnp.inexact):
+        results.append(total)
+      else:
+        results.append(total / k if self._scales[i] is None else total * self._scales[i])
     return results
 
   def _index_operand(self, stage: Stage, b: int) -> list:

@@ -246,7 +246,10 @@ def plan(method: m.PipeshardParallel, step: TracedStep, lmesh: LogicalMesh, inde
   return _Pipeline(stack, body, consts, corr, p, d, v, k, method.pipeline_schedule,
                    batched[len(stack.carry_init):], local, _correspondence(loss_jaxpr, local),
                    head, head_batched, loss.kinds.count(capture.AUX),
-                   normalizer if one_f_one_b else None, draws, head_draws)
+                   normalizer if one_f_one_b else None, draws, head_draws,
+                   tuple(None if isinstance(w, jex.Literal) else
+                         coupling.part_scale(loss_jaxpr.eqns, w, local.eqns, x, k * d)
+                         for w, x in zip(loss_jaxpr.outvars, local.outvars)))
 
 
 def _head_inputs(jaxpr, stack: Stack) -> list:
@@ -288,6 +291,8 @@ class _Pipeline:
     draws, head_draws: the layer's (in ``jaxpr``) and, under 1F1B, the head's (in
       ``loss_local``) random draws that are a share of a whole-batch draw
       (``rng.partial_draws``): a share draws its rows of the whole batch's bits.
+    scales: per loss output, a share's weight in the whole batch's value under 1F1B
+      (``coupling.part_scale``: 1 for a sum over the batch), or None: the mean.
   """
 
   stack: Stack
@@ -308,6 +313,7 @@ class _Pipeline:
   normalizer: object = None
   draws: dict = dataclasses.field(default_factory=dict)
   head_draws: dict = dataclasses.field(default_factory=dict)
+  scales: tuple = ()
 
   def share(self, micro):
     """Which share of the whole batch this device's part of micro-batch ``micro`` is

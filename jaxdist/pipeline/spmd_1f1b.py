@@ -16,7 +16,8 @@ A stage keeps the inputs of at most ``2(p − 1 − s) + 1`` micro-batches (a ri
 ``m`` inputs kept). Idle stages skip their work (each device branches on its own clock).
 
 The head runs per micro-batch on one device's share, so the loss and float aux are the
-means over micro-batches and shares (integer aux: sums), as under gradient accumulation
+means over micro-batches and shares (integer aux, and float values that sum over the
+batch, ``coupling.part_scale``: sums), as under gradient accumulation
 and the MPMD driver; a token-weighted loss (``(l * mask).sum() / mask.sum()``) is weighted
 by each share's count instead, which gives the whole batch's loss and gradients. Inputs the stack or the head read that depend on the batch are not
 differentiated here (masks, labels); one that also depends on the parameters is refused.
@@ -118,13 +119,14 @@ def _run(pipe, mesh, weights, carry, shared, head_inputs):
       return vjp(ct)
 
     # A token-weighted loss n / c: each micro-batch share's loss counts c_share / Σ c
-    # (the whole batch's value); otherwise 1 / (shares).
+    # (the whole batch's value); otherwise 1 / (shares), or for a loss that sums over
+    # the batch its weight (coupling.part_scale).
     if pipe.normalizer is not None:
       counts = sum(pipe.count(at(his, pipe.head_batched, i)) for i in range(m))
       total = lax.psum(counts, DATA)
       share = lambda hi: pipe.count(hi) / total
     else:
-      share = lambda hi: jnp.float32(1 / (m * d))
+      share = lambda hi: jnp.float32(1 / (m * d) if pipe.scales[0] is None else pipe.scales[0])
 
     def head(y, hi, micro):
       diff = [v for v, t in zip(hi, head_diff) if t]
@@ -185,8 +187,10 @@ def _run(pipe, mesh, weights, carry, shared, head_inputs):
     state, _ = lax.scan(clock, init, jnp.arange(num_clocks(p, m)))
     both = (STAGE, DATA)
     value = lax.psum(state["value"], both)  # each micro-batch share's weighted
-    aux = [lax.psum(a, both) / (m * d) if _is_float(a) else lax.psum(a, both)
-           for a in state["aux"]]
+    scales = pipe.scales[1:]
+    aux = [lax.psum(a, both) if not _is_float(a) else
+           lax.psum(a, both) / (m * d) if scales[j] is None else lax.psum(a, both) * scales[j]
+           for j, a in enumerate(state["aux"])]
     return (value, aux, [lax.psum(g, DATA)[None] for g in state["dws"]],
             [g[None] for g in state["dcarry"]], lax.psum(state["dshared"], both),
             lax.psum(state["dhead"], both))
