@@ -18,10 +18,12 @@ broadcasts, reshapes, transposes, dots, convolutions, reductions, gathers) are f
 from __future__ import annotations
 
 import math
+import warnings
 
 import jax.extend.core as jex
 import jax.numpy as jnp
 
+from jaxdist import errors
 from jaxdist.jaxpr_util import MARKERS
 from jaxdist.trace import BATCH, PARAM, TracedStep
 
@@ -67,6 +69,31 @@ def batch_coupling(step: TracedStep) -> str | None:
     for v, s in zip(eqn.outvars, outs):
       if s is not None:
         state[v] = s
+  return None if step.marker_index is None else _mixed_loss(jaxpr, step.marker_index, state)
+
+
+def _mixed_loss(jaxpr, marker_index: int, state: dict) -> str | None:
+  """Why the loss's parts cannot be weighted alike (see :func:`part_scale`): it adds a sum
+  over the batch that is no mean (``c`` times the number of elements it sums is not 1) to
+  another kind of term (a mean, a weight penalty); None otherwise. From the whole batch's
+  trace alone, so a sum divided by a count of its own (``x.sum() / x.shape[0]`` over
+  tokens) counts as no mean too: such a step then runs as one whole-batch program, which
+  is exact, only slower than per device."""
+  marker = jaxpr.eqns[marker_index]
+  values = [v for v, kind in zip(marker.invars, marker.params["kinds"]) if kind == "value"]
+  if len(values) != 1:
+    return None
+  producer = {o: e for e in jaxpr.eqns[:marker_index] for o in e.outvars}
+  kinds = set()
+  for c, term in _terms(values[0], producer):
+    if isinstance(term, jex.JaxprEqn) and isinstance(state.get(term.invars[0]), int):
+      kinds.add("mean" if math.isclose(c * math.prod(_shape(term.invars[0])), 1, rel_tol=1e-6)
+                else "sum")
+    else:
+      kinds.add("other")
+  if "sum" in kinds and len(kinds) > 1:
+    return ("the loss adds a sum over the batch to a mean or to a term without the batch, "
+            "such as a weight penalty")
   return None
 
 
@@ -85,8 +112,6 @@ def _scaled_sum(v, producer):
       return scale, eqn
     if name == "convert_element_type":
       v = ins[0]
-    elif name == "neg":
-      scale, v = -scale, ins[0]
     elif name in ("mul", "div") and isinstance(ins[1], jex.Literal):
       scale = scale * float(ins[1].val) if name == "mul" else scale / float(ins[1].val)
       v = ins[0]
@@ -97,27 +122,71 @@ def _scaled_sum(v, producer):
   return None
 
 
+def _terms(v, producer, scale: float = 1.0) -> list:
+  """``v`` as a sum of terms ``c · t`` (through casts, negation, scaling by literals,
+  additions and subtractions): ``[(c, t)]`` where ``t`` is a ``reduce_sum`` equation or,
+  for any other term, the variable itself."""
+  eqn = None if isinstance(v, jex.Literal) else producer.get(v)
+  if eqn is None:
+    return [(scale, v)]
+  name, ins = eqn.primitive.name, eqn.invars
+  if name == "reduce_sum":
+    return [(scale, eqn)]
+  if name == "convert_element_type":
+    return _terms(ins[0], producer, scale)
+  if name == "neg":
+    return _terms(ins[0], producer, -scale)
+  if name in ("mul", "div") and isinstance(ins[1], jex.Literal) and not _shape(ins[1]):
+    c = float(ins[1].val)
+    return _terms(ins[0], producer, scale * c if name == "mul" else scale / c)
+  if name == "mul" and isinstance(ins[0], jex.Literal) and not _shape(ins[0]):
+    return _terms(ins[1], producer, scale * float(ins[0].val))
+  if name in ("add", "sub") and not any(isinstance(x, jex.Literal) for x in ins):
+    return (_terms(ins[0], producer, scale)
+            + _terms(ins[1], producer, -scale if name == "sub" else scale))
+  return [(scale, v)]
+
+
 def part_scale(whole_eqns, whole_value, part_eqns, part_value, parts: int) -> float | None:
   """The weight of one part of the batch (a device's share, a micro-batch) in the whole
   batch's ``value``: the parts' values and gradients, each multiplied by it, add up to the
-  whole batch's. ``value`` is ``c`` times a sum over the batch in both traces (a mean is
-  ``1 / size`` times one, ``jnp.sum(...) / 1000`` is ``1 / 1000`` times one, in either
-  trace), so the weight is ``c_whole / c_part``: 1 for a sum, ``1 / parts`` for a mean.
+  whole batch's. Where ``value`` is ``c`` times a sum over the batch in both traces (a mean
+  is ``1 / size`` times one, ``jnp.sum(...) / 1000`` is ``1 / 1000`` times one, in either
+  trace), the weight is ``c_whole / c_part``: 1 for a sum, ``1 / parts`` for a mean; so it
+  is for a sum of such terms that all have the same weight.
 
-  Returns None where ``value`` is not such a sum in both traces (it is then averaged over
-  the parts), and for a mean (weight ``1 / parts``), which callers divide by ``parts``.
+  Returns None for a mean (weight ``1 / parts``, which callers divide by ``parts``), and
+  where ``value`` is none of these (it is then averaged over the parts: exact for means
+  plus terms that do not depend on the batch, such as a weight penalty). Warns where
+  terms summed over the batch meet other terms or terms of another weight (``sum(l) +
+  penalty``): no weight per part gives the whole batch's value then.
   """
-  sums = [_scaled_sum(v, {o: e for e in eqns for o in e.outvars})
-          for eqns, v in ((whole_eqns, whole_value), (part_eqns, part_value))]
-  if None in sums or sums[1][0] == 0:
+  terms = [_terms(v, {o: e for e in eqns for o in e.outvars})
+           for eqns, v in ((whole_eqns, whole_value), (part_eqns, part_value))]
+  if len(terms[0]) != len(terms[1]):
     return None
-  (c_whole, whole), (c_part, part) = sums
-  # Summed over the batch: the summed operand shrinks with the part, the sum does not.
-  if (_shape(whole.invars[0]) == _shape(part.invars[0])
-      or _shape(whole.outvars[0]) != _shape(part.outvars[0])):
-    return None
-  scale = c_whole / c_part
-  return None if math.isclose(scale, 1 / parts, rel_tol=1e-6) else scale
+  weights = set()
+  for (c_whole, whole), (c_part, part) in zip(*terms):
+    summed = (isinstance(whole, jex.JaxprEqn) and isinstance(part, jex.JaxprEqn)
+              and c_part != 0
+              # Over the batch: the summed operand shrinks with the part, the sum does not.
+              and _shape(whole.invars[0]) != _shape(part.invars[0])
+              and _shape(whole.outvars[0]) == _shape(part.outvars[0]))
+    scale = c_whole / c_part if summed else None
+    weights.add(None if summed and math.isclose(scale, 1 / parts, rel_tol=1e-6) else
+                scale if summed else "other")
+  if len(weights) == 1:
+    weight = weights.pop()
+    return None if weight == "other" else weight
+  if weights - {None, "other"}:
+    warnings.warn(
+        f"the loss adds a sum over the batch to a term of another kind (a mean over the "
+        f"batch, or a term without the batch such as a weight penalty); its {parts} parts "
+        f"(devices' shares, micro-batches) are averaged, which gives the whole batch's value "
+        f"only for means plus terms without the batch. Divide the summed terms by the batch "
+        f"size, or use ShardParallel without micro-batches (one whole-batch program).",
+        errors.JaxdistWarning, stacklevel=2)
+  return None
 
 
 def _constant(v, producer) -> float | None:

@@ -208,3 +208,10 @@ def collective_summary(hlo_text: str) -> dict[str, CollectiveStats]:
 
 def total_wire_bytes(summary: dict[str, CollectiveStats]) -> float:
   return sum(s.wire_bytes for s in summary.values())
+
+
+def unpredicted(summary: dict[str, CollectiveStats], runtime: str) -> list[str]:
+  """``check_communication``'s lines for a runtime whose plan has no collective model:
+  the compiled collectives per kind, each marked as not predicted."""
+  return [f"{kind}: compiled {c.count} x, {c.result_bytes} B (not predicted: {runtime})"
+          for kind, c in sorted(summary.items())]

@@ -134,8 +134,9 @@ def test_a_clamped_token_count_accumulates_to_the_full_batch_step(method):
 
 def _sum_loss_setup():
   """A GPT (boundaries after each block) whose loss is a negated sum over every token's
-  log-likelihood divided by a constant that is not the batch size, with a float aux that
-  sums over the batch (a token count read from the batch) and one that is a mean."""
+  log-likelihood divided by a constant that is not the batch size plus another sum over
+  the batch, with a float aux that sums over the batch (a token count read from the
+  batch) and one that is a mean."""
   config = models.GPTConfig(vocab=64, width=32, heads=2, depth=4, seq_len=16,
                             mark_boundaries=True)
   batch = models.token_batch(16, config)
@@ -150,7 +151,8 @@ def _sum_loss_setup():
         logp = jax.nn.log_softmax(state.apply_fn(params, tokens[:, :-1]))
         ll = jnp.take_along_axis(logp, tokens[:, 1:, None], -1)
         counted = jnp.sum((tokens[:, 1:] >= 0).astype(jnp.float32))
-        return -jnp.sum(ll) / 100.0, {"tokens": counted, "mean_ll": jnp.mean(ll)}
+        loss = -jnp.sum(ll) / 100.0 + 1e-3 * jnp.sum(jnp.square(logp[..., 0]))
+        return loss, {"tokens": counted, "mean_ll": jnp.mean(ll)}
 
       (loss, aux), grads = value_and_grad(loss_fn, has_aux=True)(state.params)
       return state.apply_gradients(grads=grads), {"loss": loss, **aux}
@@ -175,6 +177,36 @@ def test_a_loss_that_sums_over_the_batch_is_summed_over_its_parts(method):
   expected = _two_steps(jax.jit(step_fn()), make(), batch)
   step = jd.parallelize(step_fn(jd.value_and_grad), method=method)
   assert_trees_close(_two_steps(step, make(), batch), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_sum_plus_a_penalty_runs_as_one_program_or_warns():
+  """``sum(l) + penalty(params)``: no weight per part gives the whole batch's value (the
+  parts' sums add up, their penalties must not). DataParallel without micro-batches runs
+  it as one whole-batch program, which is exact (before: 1/8 of the loss); with
+  micro-batches it warns that the parts are averaged."""
+  batch = models.regression_batch(32, 16)
+  make = lambda: models.create_state(models.MLP(hidden=32, num_layers=2), batch["x"],
+                                     tx=optax.sgd(0.01))
+
+  def step_fn(value_and_grad=jax.value_and_grad):
+    def train_step(state, batch):
+      def loss_fn(params):
+        err = state.apply_fn(params, batch["x"]) - batch["y"]
+        return jnp.sum(err ** 2) + 1e-2 * sum(jnp.sum(w ** 2) for w in jax.tree.leaves(params))
+
+      loss, grads = value_and_grad(loss_fn)(state.params)
+      return state.apply_gradients(grads=grads), {"loss": loss}
+
+    return train_step
+
+  expected = _two_steps(jax.jit(step_fn()), make(), batch)
+  step = jd.parallelize(step_fn(jd.value_and_grad), method=jd.DataParallel())
+  assert_trees_close(_two_steps(step, make(), batch), expected, rtol=1e-5, atol=1e-5)
+  notes = step.get_executable(make(), batch).plan.notes
+  assert any("adds a sum over the batch" in note for note in notes), notes
+  with pytest.warns(errors.JaxdistWarning, match="adds a sum over the batch"):
+    jd.parallelize(step_fn(jd.value_and_grad), method=jd.DataParallel(
+        num_micro_batches=2)).get_executable(make(), batch)
 
 
 def test_rows_of_random_bits_are_the_whole_draws_rows():

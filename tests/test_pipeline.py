@@ -232,6 +232,9 @@ def test_gpt_stages_reduce_gradients_once_per_step():
   params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(make().params))
   assert wire[4] <= 1.1 * wire[1], wire
   assert wire[1] >= params, (wire, params)  # the gradients are reduced, once
+  # The driver's programs have no combined prediction yet: said so, not an AttributeError.
+  lines = exe.check_communication()
+  assert lines and all(line.endswith("(not predicted: MPMD pipeline)") for line in lines), lines
 
 
 def test_model_parallel_stages_reduce_gradients_once_per_step():

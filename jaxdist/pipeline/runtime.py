@@ -1129,6 +1129,14 @@ class PipelineExecutable:
         for leaf, home in zip(self._step.inputs, self._input_homes)
         if leaf.role == OPTIMIZER and home.device_set == devices))
 
+  def check_communication(self, tolerance: float = 0.10) -> list[str]:
+    """The compiled collectives per step, one line per kind, each marked as not
+    predicted: the stage plans predict their own programs' collectives, but nothing adds
+    them up over the driver's programs (forward, backward, per-device sums, updates)
+    and micro-batches yet, so there is nothing to compare with."""
+    del tolerance
+    return hlo_inspect.unpredicted(self.communication(), "MPMD pipeline")
+
   def communication(self) -> dict[str, hlo_inspect.CollectiveStats]:
     """Collectives inside the programs for one step (stage programs × micro-batches);
     transfers between sub-meshes (``device_put``) are not collectives and not counted."""

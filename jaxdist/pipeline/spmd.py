@@ -453,8 +453,7 @@ class SpmdPipelineExecutable(Executable):
     runtime's plan has no collective model (the permutes per clock, the stacked
     weights' gradient reductions), so there is nothing to compare them with."""
     del tolerance
-    return [f"{kind}: compiled {c.count} x, {c.result_bytes} B (not predicted: SPMD pipeline)"
-            for kind, c in sorted(self.communication().items())]
+    return hlo_inspect.unpredicted(self.communication(), "SPMD pipeline")
 
   def memory_analysis(self) -> list:
     return [self._compiled.memory_analysis()]
