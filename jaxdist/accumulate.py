@@ -258,11 +258,15 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
                                operands=True)
     grad_before = jaxpr_util.operand_hook(inner_mesh, inside)
 
-  restart = lambda: None
+  restart = lambda micro_batch=None: None
   if stream_inputs and axes is not None:
+    mask = sum(1 << i for i, leaf in enumerate(step.inputs) if leaf.role == BATCH)
+    outs = [v for e in grad_jaxpr.eqns for v in e.outvars]
+    varying = {v for v, d in zip(outs, jaxpr_util.dependencies(grad_jaxpr, len(step.inputs), outs))
+               if d & mask}
     grad_before, grad_after, restart = streaming_hooks(
         grad_jaxpr, {grad_jaxpr.invars[i]: spec for i, spec in stream_inputs.items()},
-        axes, grad_before, grad_after)
+        axes, varying, grad_before, grad_after)
   micro_index = [0]
   grad_before, grad_after = random_bits_hooks(
       step, split, axes, num_shards, k, lambda: micro_index[0], grad_before, grad_after)
@@ -276,7 +280,7 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
   scales = part_scales(step, split, k * num_shards)
 
   def grads_one(values):
-    restart()
+    restart(next((x for x, b in zip(values, is_batch) if b), None))
     env = dict(zip(grad_jaxpr.constvars, split.grad_jaxpr.consts))
     env.update((grad_jaxpr.invars[i], x) for i, x in zip(split.grad_inputs, values))
     jaxpr_util.eval_eqns(grad_jaxpr, env, split.grad_eqns, after=grad_after, before=grad_before)
@@ -407,17 +411,21 @@ def random_bits_hooks(step: TracedStep, split: GradSplit, axes, num_shards: int,
   return rng.row_hooks(micro_eqns, draws, part, before, after, anchors, anchored)
 
 
-def streaming_hooks(jaxpr, streamed: dict, axes, before=None, after=None):
+def streaming_hooks(jaxpr, streamed: dict, axes, varying: set, before=None, after=None):
   """``before`` / ``after`` hooks for :func:`jaxpr_util.eval_eqns` inside the gradient
   ``shard_map`` that all-gather each streamed parameter (var → its sharded spec) anew
   before every equation reading it.
 
-  Each gather is tied to the value computed just before its equation (``p + 0 · one
-  element``, which XLA does not fold for floats; the element made finite first), so XLA
-  can neither merge the gathers of the forward and the backward nor hoist them to the
-  start: a gathered copy lives from that point to its reader. The given hooks run too
-  (before first, after last). Returns (before, after, restart): call ``restart()`` before
-  each evaluation (the tie must come from the evaluation being traced).
+  Each gather is tied to the latest value evaluated before its equation that depends on
+  the micro-batch (``varying``: such vars of ``jaxpr``; ``p + 0 · one element``, which
+  XLA does not fold for floats; the element made finite first), or before any, to the
+  micro-batch itself. So XLA can neither merge the gathers of the forward and the
+  backward nor hoist them to the start, nor out of the micro-batch loop (a gather that
+  depends on nothing in the loop is loop-invariant: XLA ran it once before the loop and
+  kept the whole parameter through it): a gathered copy lives from that point to its
+  reader. The given hooks run too (before first, after last). Returns (before, after,
+  restart): call ``restart(x)`` before each evaluation with one of the micro-batch's
+  arrays (the tie must come from the evaluation being traced).
   """
   dims = {v: next(d for d, e in enumerate(spec) if e is not None) for v, spec in streamed.items()}
   last = [None]
@@ -432,20 +440,21 @@ def streaming_hooks(jaxpr, streamed: dict, axes, before=None, after=None):
         x = out[k]
         if last[0] is not None and jnp.issubdtype(x.dtype, jnp.inexact):
           # (nan_to_num: a NaN there, a padding-only share's 0 / 0 loss, must not spread.)
-          x = x + (jnp.nan_to_num(last[0].reshape(-1)[0]) * 0).astype(x.dtype)
+          tie = jnp.nan_to_num(last[0].reshape(-1)[0].astype(jnp.float32)) * 0
+          x = x + tie.astype(x.dtype)
         out[k] = jax.lax.all_gather(x, axes, axis=dims[v], tiled=True)
     return out
 
   def record_after(i, outs):
     if after is not None:
       outs = after(i, outs)
-    floats = [o for o in outs if hasattr(o, "dtype") and jnp.issubdtype(o.dtype, jnp.inexact)
-              and o.size]
-    if floats:
-      last[0] = floats[0]
+    ties = [o for o, v in zip(outs, jaxpr.eqns[i].outvars)
+            if v in varying and hasattr(o, "dtype") and o.size]
+    if ties:
+      last[0] = ties[0]
     return outs
 
-  def restart():
-    last[0] = None
+  def restart(micro_batch=None):
+    last[0] = micro_batch
 
   return gather_before, record_after, restart

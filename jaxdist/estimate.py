@@ -29,7 +29,6 @@ import warnings
 from typing import Any
 
 import jax.extend.core as jex
-import jax.numpy as jnp
 
 from jaxdist import calibration
 from jaxdist import jaxpr_util
@@ -504,25 +503,11 @@ def _gathers(traced, layout, lmesh) -> list[tuple[Any, int]]:
     warnings.simplefilter("ignore")
     split = split_at_marker(traced)
   grad_jaxpr = split.grad_jaxpr.jaxpr
-  micro = layout.num_micro_batches
-  # Each gather is tied to the float value evaluated before its reader (streaming_hooks).
-  # Inside the micro-batch loop, one with no such value or tied to a value that does not
-  # depend on the micro-batch is loop-invariant: XLA hoists it, so it runs once a step.
-  varying = {grad_jaxpr.invars[i] for i in split.grad_inputs
-             if traced.inputs[i].role == BATCH}
   reads = collections.Counter()
-  tie = None
-  for i in sorted(split.grad_eqns):
-    eqn = grad_jaxpr.eqns[i]
-    hoisted = micro > 1 and (tie is None or tie not in varying)
-    for v in {v for v in eqn.invars if not isinstance(v, jex.Literal)}:
-      reads[v] += 1 if hoisted else micro
-    if any(v in varying for v in eqn.invars if not isinstance(v, jex.Literal)):
-      varying.update(eqn.outvars)
-    floats = [o for o in eqn.outvars if jnp.issubdtype(o.aval.dtype, jnp.inexact)
-              and math.prod(o.aval.shape)]
-    tie = floats[0] if floats else tie
-  return [(l, reads[grad_jaxpr.invars[k]]) for k, l in sharded]
+  for i in split.grad_eqns:
+    for v in {v for v in grad_jaxpr.eqns[i].invars if not isinstance(v, jex.Literal)}:
+      reads[v] += 1
+  return [(l, reads[grad_jaxpr.invars[k]] * layout.num_micro_batches) for k, l in sharded]
 
 
 def _shard_parallel(planned):
