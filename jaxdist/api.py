@@ -16,7 +16,7 @@ from jaxdist import errors
 from jaxdist import follow
 from jaxdist import jaxpr_util
 from jaxdist import methods as m
-from jaxdist.coupling import batch_coupling
+from jaxdist.coupling import batch_coupling, warn_split
 from jaxdist.executable import Executable, allocation_bytes, compile_layout, make_plan
 from jaxdist.layouts import check_batch_divisible, data_parallel_layout
 from jaxdist.mesh import LogicalMesh
@@ -449,6 +449,10 @@ class ParallelizedFunc:
       shard_plan = plan_shard_parallel(method, step, lmesh,
                                        micro_trace=lambda d: retrace(d).micro_jaxpr)
       step, layout = shard_plan.step, shard_plan.layout
+      coupled = layout.num_micro_batches > 1 and batch_coupling(step)
+      if coupled:  # (the plan's notes say so too; a cached plan skips the planner)
+        warn_split(coupled, f"with num_micro_batches={layout.num_micro_batches}, the "
+                            f"micro-batches")
     else:
       layout = data_parallel_layout(method, step, lmesh)
       if layout.grad_reduce_specs is None and batch_coupling(step):

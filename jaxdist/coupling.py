@@ -50,8 +50,30 @@ def batch_coupling(step: TracedStep) -> str | None:
     normalizer = loss_normalizer(jaxpr, step.marker_index, _param_vars(step, jaxpr))
     exempt = {normalizer} if normalizer is not None else set()
   state: dict = {}
-  for v, leaf in zip(jaxpr.invars, step.inputs):
-    if leaf.role == BATCH and _shape(v) and _shape(v)[0] == size:
+  batch = [v for v, leaf in zip(jaxpr.invars, step.inputs) if leaf.role == BATCH]
+  coupled = coupling_in(jaxpr, batch, size, exempt, state)
+  if coupled or step.marker_index is None:
+    return coupled
+  return _mixed_loss(jaxpr, step.marker_index, state)
+
+
+def warn_split(coupled: str, parts: str):
+  """Warns that a step mixing examples (``coupled``, from :func:`batch_coupling`) runs in
+  ``parts`` that do not see each other, so its results are not the single-device step's."""
+  warnings.warn(
+      f"the step mixes examples beyond the loss's mean ({coupled}); {parts} each compute "
+      f"it on their own examples (batch statistics, in-batch negatives), so results differ "
+      f"from the single-device step's. DataParallel, ZeRO or ShardParallel without "
+      f"micro-batches run it as one whole-batch program.", errors.JaxdistWarning, stacklevel=3)
+
+
+def coupling_in(jaxpr, batch_vars, size: int, exempt=frozenset(), state=None) -> str | None:
+  """:func:`batch_coupling` of ``jaxpr`` whose ``batch_vars`` (those with dim 0 of
+  ``size``) carry the batch; ``exempt``: vars not followed (the loss's normalizer);
+  ``state``: filled with each followed var's batch axis or ``REDUCED``."""
+  state = {} if state is None else state
+  for v in batch_vars:
+    if _shape(v) and _shape(v)[0] == size:
       state[v] = 0
   for i, eqn in enumerate(jaxpr.eqns):
     ins = [None if isinstance(v, jex.Literal) or v in exempt else state.get(v)
@@ -69,7 +91,7 @@ def batch_coupling(step: TracedStep) -> str | None:
     for v, s in zip(eqn.outvars, outs):
       if s is not None:
         state[v] = s
-  return None if step.marker_index is None else _mixed_loss(jaxpr, step.marker_index, state)
+  return None
 
 
 def _mixed_loss(jaxpr, marker_index: int, state: dict) -> str | None:

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec
 
 from jaxdist import errors
 from jaxdist import methods as m
-from jaxdist.coupling import batch_coupling
+from jaxdist.coupling import batch_coupling, warn_split
 from jaxdist.mesh import LogicalMesh
 from jaxdist.grad import GRAD
 from jaxdist.trace import BATCH, OPTIMIZER, PARAM, TracedStep
@@ -195,6 +195,8 @@ def data_parallel_layout(method: m.Method, step: TracedStep, lmesh: LogicalMesh)
     notes.append(f"the step mixes examples beyond the loss's mean ({coupled}); with "
                  f"num_micro_batches={micro_batches} each micro-batch on each device uses its "
                  f"own statistics")
+    warn_split(coupled, f"with num_micro_batches={micro_batches}, the micro-batches on each "
+                        f"device")
   if per_device:
     marker = step.closed_jaxpr.jaxpr.eqns[step.marker_index]
     grad_reduce_specs = tuple(

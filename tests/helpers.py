@@ -85,3 +85,33 @@ def dropout_net():
     return state.apply_gradients(grads=grads), {"loss": loss}
 
   return step, state, batch
+
+
+def contrastive():
+  """(step, make_state, batch): two linear encoders trained with a CLIP-style loss over
+  the batch's similarity matrix (every example is a negative of every other: the step
+  mixes examples beyond the loss's mean), Adam."""
+  batch = {"a": jax.random.normal(jax.random.key(1), (32, 32)),
+           "b": jax.random.normal(jax.random.key(2), (32, 24))}
+  tx = optax.adam(1e-2)
+
+  def make_state():
+    ka, kb = jax.random.split(jax.random.key(0))
+    params = {"a": jax.random.normal(ka, (32, 16)) * 0.2, "b": jax.random.normal(kb, (24, 16)) * 0.2}
+    return {"params": params, "opt": tx.init(params)}
+
+  def step(state, batch):
+    def loss_fn(params):
+      a, b = batch["a"] @ params["a"], batch["b"] @ params["b"]
+      a = a / jnp.linalg.norm(a, axis=-1, keepdims=True)
+      b = b / jnp.linalg.norm(b, axis=-1, keepdims=True)
+      logits = 10.0 * a @ b.T
+      labels = jnp.arange(logits.shape[0])
+      return (optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+              + optax.softmax_cross_entropy_with_integer_labels(logits.T, labels).mean()) / 2
+
+    loss, grads = jd.value_and_grad(loss_fn)(state["params"])
+    updates, opt = tx.update(grads, state["opt"], state["params"])
+    return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {"loss": loss}
+
+  return step, make_state, batch

@@ -12,7 +12,7 @@ from flax.training import train_state
 
 import jaxdist as jd
 from jaxdist import errors, models, rng
-from helpers import assert_trees_close, to_host
+from helpers import assert_trees_close, contrastive, to_host
 
 METHODS = [jd.DataParallel, jd.Zero2Parallel, jd.Zero3Parallel]
 
@@ -207,6 +207,21 @@ def test_a_sum_plus_a_penalty_runs_as_one_program_or_warns():
   with pytest.warns(errors.JaxdistWarning, match="adds a sum over the batch"):
     jd.parallelize(step_fn(jd.value_and_grad), method=jd.DataParallel(
         num_micro_batches=2)).get_executable(make(), batch)
+
+
+@pytest.mark.parametrize("method", [
+    jd.DataParallel(num_micro_batches=2),
+    jd.ShardParallel(logical_mesh_shape=(2, 4), num_micro_batches=2),
+    jd.PipeshardParallel(num_micro_batches=2, layer_option=jd.AutoLayerOption(layer_num=2))],
+    ids=["dp-k2", "shard-2x4-k2", "mpmd-pipeline-k2"])
+def test_a_step_that_mixes_examples_warns_when_split_into_micro_batches(method):
+  """A contrastive loss's negatives are the rest of the batch: micro-batches see fewer of
+  them, so the step is not the single-device one. That was only a plan note (none at all
+  in a pipeline); it is a JaxdistWarning, every time the step is compiled."""
+  step, make_state, batch = contrastive()
+  for _ in range(2):  # the second compile hits the plan cache
+    with pytest.warns(errors.JaxdistWarning, match="mixes examples"):
+      jd.parallelize(step, method=method).get_executable(make_state(), batch)
 
 
 def test_rows_of_random_bits_are_the_whole_draws_rows():

@@ -21,7 +21,7 @@ import jaxdist as jd
 from jaxdist import errors, models
 from jaxdist.pipeline import timeline
 from jaxdist.shard.planner import path_matches
-from helpers import assert_trees_close, to_host
+from helpers import assert_trees_close, contrastive, to_host
 
 
 def _gpt(mark_boundaries=True, batch_size=32):
@@ -217,6 +217,20 @@ def test_data_parallel_stages_reduce_gradients_once_per_step(pass_on, k, per_dev
   assert [st.reduce is not None for st in exe.stages] == [per_device] * 2, exe.plan.notes
   if not per_device:
     assert "a value it exchanges is computed from the batch" in exe.stages[0].note
+
+
+def test_a_loss_that_mixes_examples_runs_no_stage_per_device():
+  """A contrastive loss in one micro-batch: a stage run per device would compute it on
+  each device's share (the loss was 2.2 off serial); the stages keep their shard plans,
+  over the whole micro-batch, and the plan says why."""
+  step, make_state, batch = contrastive()
+  expected = jax.jit(step)(make_state(), batch)
+  parallel = jd.parallelize(step, method=jd.PipeshardParallel(
+      num_micro_batches=1, layer_option=jd.AutoLayerOption(layer_num=2)))
+  assert_trees_close(parallel(make_state(), batch), expected, rtol=1e-5, atol=1e-6)
+  exe = parallel.get_executable(make_state(), batch)
+  assert all(st.reduce is None for st in exe.stages), exe.plan.notes
+  assert any("the loss mixes examples" in note for note in exe.plan.notes), exe.plan.notes
 
 
 def test_gpt_stages_reduce_gradients_once_per_step():

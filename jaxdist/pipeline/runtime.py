@@ -297,7 +297,14 @@ class PipelineExecutable:
     stage_shard.check_constraints_used(option, self._operand_paths)
     # Dropout: every stage program takes the micro-batch index, so that each micro-batch
     # draws its rows of the whole batch's bits, as the single-device step does.
-    self._whole = eqn.params["loss"].closed.jaxpr
+    self._whole = whole = eqn.params["loss"].closed.jaxpr
+    normalizer = coupling.normalizer_of(whole.eqns, whole.outvars[0],
+                                        set(whole.invars[loss.num_consts:]))
+    self._coupled = coupling.coupling_in(
+        whole, [v for v, b in zip(whole.invars, self._batch_operand) if b], step.batch_size,
+        {normalizer} - {None})
+    if self._coupled and k > 1 and compile:
+      coupling.warn_split(self._coupled, f"PipeshardParallel's {k} micro-batches")
     self._indexed = jaxpr_util.count_primitive(loss.closed.jaxpr, "random_bits") > 0
     self._cost_cache: dict = {}  # (devices, backward program text) -> ILP objective
     self._traced: dict = {}  # a layer's equations -> (its backward program, its text)
@@ -341,6 +348,10 @@ class PipelineExecutable:
                  f"backward's shard-plan objective {st.objectives[1]:.3g} s, {st.note}"
                  for s, st in enumerate(self.stages)),
                f"schedule {self.schedule.name}: {self.schedule.num_clocks} clocks",
+               *([] if not self._coupled else [
+                   f"the loss mixes examples ({self._coupled}): no stage runs per device"
+                   + (f", and each of the {k} micro-batches uses its own examples" if k > 1
+                      else "")]),
                *([] if predicted is None else [
                    f"auto stages: predicted {[f'{c:.3g}' for c in predicted.stage_costs]} s per "
                    f"micro-batch, {predicted.step_time:.3g} s per step"])))
@@ -762,6 +773,8 @@ class PipelineExecutable:
     """The stage's per-device form (``per_device.PerDeviceStage``), or why it has none."""
     if self._retrace is None or stage.mesh.num_devices == 1:
       return "one device" if stage.mesh.num_devices == 1 else "no per-device trace"
+    if self._coupled:
+      return "the loss mixes examples: a device's share would use its own"
     axes = self._batch_axes(stage)
     if isinstance(axes, str):
       return axes

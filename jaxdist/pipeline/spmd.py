@@ -189,6 +189,14 @@ def plan(method: m.PipeshardParallel, step: TracedStep, lmesh: LogicalMesh, inde
   batch_mask = sum(1 << i for i, leaf in enumerate(step.inputs) if leaf.role == BATCH)
   operand_deps = jaxpr_util.dependencies(jaxpr, len(step.inputs), eqn.invars)
   in_mask = sum(1 << j for j, dep in enumerate(operand_deps) if dep & batch_mask)
+  normalizer = coupling.normalizer_of(loss_jaxpr.eqns, loss_jaxpr.outvars[0],
+                                      set(loss_jaxpr.invars[loss.num_consts:]))
+  coupled = coupling.coupling_in(
+      loss_jaxpr, [x for j, x in enumerate(loss_jaxpr.invars) if in_mask >> j & 1], batch,
+      {normalizer} - {None})
+  if coupled:
+    return (f"the loss mixes examples ({coupled}), and the SPMD runtime runs the stack on "
+            f"micro-batches and device shares that do not see each other")
   head = _head_inputs(loss_jaxpr, stack) if one_f_one_b else []
   inits = stack.carry_init + stack.shared_init
   per_layer = [x for xs in stack.weights for x in xs] + list(stack.stacked)
@@ -234,8 +242,6 @@ def plan(method: m.PipeshardParallel, step: TracedStep, lmesh: LogicalMesh, inde
     closed = local.eqns[stack.scan].params["jaxpr"]
     body, consts = closed.jaxpr, dict(zip(closed.jaxpr.constvars, closed.consts))
     corr = _correspondence(loss_jaxpr.eqns[stack.scan].params["jaxpr"].jaxpr, body)
-  normalizer = coupling.normalizer_of(loss_jaxpr.eqns, loss_jaxpr.outvars[0],
-                                      set(loss_jaxpr.invars[loss.num_consts:]))
   # The traces at the two sizes have the same equations, one for one.
   whole_body = (loss_jaxpr if stack.scan is None
                 else loss_jaxpr.eqns[stack.scan].params["jaxpr"].jaxpr)
