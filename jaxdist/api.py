@@ -10,6 +10,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import jax
 from jax import tree_util
 
 from jaxdist import errors
@@ -49,8 +50,11 @@ def parallelize(fun: Callable | None = None, *, method: m.Method | None = None,
     method: a method object such as ``jaxdist.DataParallel()``; default
       ``ShardParallel()`` (the ILP chooses every sharding and the mesh shape).
     static_argnums: ``"auto"`` (an argument with no jax or numpy array leaves is a
-      Python value and static: floats, ints, strings, None, callables; Python numbers
-      *inside* an array pytree are traced) or explicit argument numbers.
+      Python value and static: ints, bools, strings, None, callables; Python numbers
+      *inside* an array pytree are traced, and so is an argument of Python floats only,
+      such as a learning rate from a schedule, as ``jax.jit`` traces it; new values of a
+      static argument compile anew, and a warning says when that keeps happening) or
+      explicit argument numbers.
     donate_argnums: ``"auto"`` (every non-batch argument the step returns updated,
       such as the train state) or explicit argument numbers; ``()`` donates nothing.
     batch_argnums: arguments whose every leaf is split on dim 0.
@@ -69,6 +73,9 @@ def parallelize(fun: Callable | None = None, *, method: m.Method | None = None,
 
 def _as_tuple(value) -> tuple:
   return value if isinstance(value, tuple) else (value,)
+
+
+RECOMPILES_WARNED = 3
 
 
 def _argnums(name: str, value, allow_auto: bool):
@@ -132,6 +139,7 @@ class ParallelizedFunc:
     self._executables: dict[Any, Executable] = {}
     self._planned: dict[Any, Planned] = {}  # plans made by planned(), used by the compile
     self._logical_mesh = None
+    self._static_floats: set[int] = set()  # float arguments the step needs as Python values
     functools.update_wrapper(self, fun)
 
   def __call__(self, *args):
@@ -157,8 +165,6 @@ class ParallelizedFunc:
         ``jax.ShapeDtypeStruct``s), for a ``step(state, batch)``.
       other_args: all of the step's arguments after the state, instead of ``batch``.
     """
-    import jax
-
     other = _as_tuple(other_args) if other_args is not None else (
         () if batch is None else (batch,))
     abstract = jax.eval_shape(init_fn, *init_args)
@@ -197,10 +203,34 @@ class ParallelizedFunc:
     dyn_leaves, key = self._key(args, static)
     exe = None if key is None else self._executables.get(key)
     if exe is None:
-      exe = self._compile(args, static, self._planned.pop(key, None) if key else None)
+      try:
+        exe = self._compile(args, static, self._planned.pop(key, None) if key else None)
+      except jax.errors.ConcretizationTypeError:
+        # A float argument the step branches on in Python (``if rate > 0``): static after all.
+        floats = {i for i in range(len(args)) if i not in static and i not in self.batch_argnums
+                  and not any(is_array(x) for x in tree_util.tree_leaves(args[i]))}
+        if self.static_argnums != "auto" or not floats - self._static_floats:
+          raise
+        self._static_floats |= floats
+        return self._lookup(args)
       if key is not None:
         self._executables[key] = exe
+        self._warn_recompiles(key)
     return exe, dyn_leaves
+
+  def _warn_recompiles(self, key):
+    """Warns (once) when the same array shapes have been compiled for
+    ``RECOMPILES_WARNED`` different values of the static arguments: a value that changes
+    every step (a step counter passed as an int) recompiles every step."""
+    same = [k for k in self._executables if k[:2] == key[:2] and k[3:] == key[3:]]
+    if len(same) == RECOMPILES_WARNED:
+      warnings.warn(
+          f"{getattr(self.fun, '__name__', 'the step')} was compiled {len(same)} times for "
+          f"the same array shapes and new values of its static arguments (now "
+          + ", ".join(f"argument {i} = {v!r:.40}" for i, v in zip(key[1], key[2]))
+          + "); each new value traces, plans and compiles anew. Pass a value "
+          f"that changes between calls as an array (jnp.asarray(x)), or name the static "
+          f"arguments with static_argnums.", errors.JaxdistWarning, stacklevel=4)
 
   def _key(self, args, static):
     """(dynamic leaves, the cache key of their signature), or a None key for arguments
@@ -228,9 +258,14 @@ class ParallelizedFunc:
             f"static_argnums={self.static_argnums!r}: {bad} is out of range for {len(args)} "
             f"arguments or is also a batch argument.")
       return self.static_argnums
+
+    def python_values(i, a):
+      leaves = tree_util.tree_leaves(a)
+      return not any(is_array(x) for x in leaves) and (
+          i in self._static_floats or not (leaves and all(type(x) is float for x in leaves)))
+
     return tuple(i for i, a in enumerate(args)
-                 if i not in self.batch_argnums
-                 and not any(is_array(x) for x in tree_util.tree_leaves(a)))
+                 if i not in self.batch_argnums and python_values(i, a))
 
   def planned(self, *args) -> "Planned":
     """Traces and plans the step for these arguments without compiling it (SPMD methods;

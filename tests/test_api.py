@@ -149,27 +149,44 @@ def test_devices_argument_forms(devices, mesh_shape, batch_spec):
   assert len(used) == np.prod(mesh_shape)
 
 
-def test_python_values_are_static_and_other_arrays_are_inputs():
+def test_python_floats_are_traced_other_python_values_static_and_arrays_inputs():
+  """A learning rate passed as a Python float is traced once, as jax.jit does (it was
+  static: every new value traced, planned and compiled the step again); an int is static,
+  and new values that keep recompiling the step warn; a float the step branches on in
+  Python is made static instead of failing to trace."""
   traces = []
 
-  def step(state, batch, scale, key):
+  def step(state, batch, scale, key, power):
     traces.append(scale)
     noise = jax.random.normal(key, batch["x"].shape) * 0.0
     loss, g = jax.value_and_grad(
         lambda w: jnp.mean(((batch["x"] + noise) @ w - batch["y"]) ** 2))(state)
-    return state - scale * g, loss
+    return state - scale ** power * g, loss
 
   w = jnp.ones((32, 8))
   batch = models.regression_batch(64, 32)
   key = jax.random.key(0)
   f = jd.parallelize(step, method=jd.DataParallel())
-  exe = f.get_executable(w, batch, 0.5, key)
+  exe = f.get_executable(w, batch, 0.5, key, 1)
   assert [leaf.role for leaf in exe._step.inputs if leaf.path == "key"] == ["input"]
-  w1, _ = f(w, batch, 0.5, key)
-  w2, _ = f(w, batch, 0.25, key)
-  assert traces == [0.5, 0.25]
+  w1, _ = f(w, batch, 0.5, key, 1)
+  w2, _ = f(w, batch, 0.25, key, 1)
+  assert len(traces) == 1 and len(f._executables) == 1, traces
   # w - w1 cancels digits of w ~ 1: compare at one float32 ulp of 1.0.
   np.testing.assert_allclose(np.asarray(w - w1), 2 * np.asarray(w - w2), rtol=1e-5, atol=1e-6)
+  f(w, batch, 0.5, key, 2)
+  with pytest.warns(jd.errors.JaxdistWarning, match="compiled 3 times .* argument 4 = 3"):
+    f(w, batch, 0.5, key, 3)
+
+  def branching(state, batch, rate):
+    h = batch["x"] @ state
+    if rate > 0:  # Python control flow on the float
+      h = h * (1 - rate)
+    return state, jnp.mean(h)
+
+  g = jd.parallelize(branching, method=jd.DataParallel())
+  np.testing.assert_allclose(float(g(w, batch, 0.5)[1]), float(jnp.mean(batch["x"] @ w) * 0.5),
+                             rtol=1e-6)
 
 
 def test_default_method_is_shard_parallel():
