@@ -280,7 +280,8 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
   scales = part_scales(step, split, k * num_shards)
 
   def grads_one(values):
-    restart(next((x for x, b in zip(values, is_batch) if b), None))
+    restart(next((x for x, b in zip(values, is_batch)
+                  if b and jnp.issubdtype(x.dtype, jnp.number) and x.size), None))
     env = dict(zip(grad_jaxpr.constvars, split.grad_jaxpr.consts))
     env.update((grad_jaxpr.invars[i], x) for i, x in zip(split.grad_inputs, values))
     jaxpr_util.eval_eqns(grad_jaxpr, env, split.grad_eqns, after=grad_after, before=grad_before)
@@ -449,7 +450,8 @@ def streaming_hooks(jaxpr, streamed: dict, axes, varying: set, before=None, afte
     if after is not None:
       outs = after(i, outs)
     ties = [o for o, v in zip(outs, jaxpr.eqns[i].outvars)
-            if v in varying and hasattr(o, "dtype") and o.size]
+            if v in varying and hasattr(o, "dtype") and jnp.issubdtype(o.dtype, jnp.number)
+            and o.size]
     if ties:
       last[0] = ties[0]
     return outs

@@ -67,6 +67,15 @@ def warn_split(coupled: str, parts: str):
       f"micro-batches run it as one whole-batch program.", errors.JaxdistWarning, stacklevel=3)
 
 
+def loss_coupling(loss_jaxpr, num_consts: int, batched, size: int) -> str | None:
+  """:func:`coupling_in` of a pipeline's loss (its value first; ``batched``: per input,
+  whether it carries the batch), its token count (:func:`normalizer_of`) not followed."""
+  normalizer = normalizer_of(loss_jaxpr.eqns, loss_jaxpr.outvars[0],
+                             set(loss_jaxpr.invars[num_consts:]))
+  return coupling_in(loss_jaxpr, [v for v, b in zip(loss_jaxpr.invars, batched) if b], size,
+                     {normalizer} - {None})
+
+
 def coupling_in(jaxpr, batch_vars, size: int, exempt=frozenset(), state=None) -> str | None:
   """:func:`batch_coupling` of ``jaxpr`` whose ``batch_vars`` (those with dim 0 of
   ``size``) carry the batch; ``exempt``: vars not followed (the loss's normalizer);

@@ -297,12 +297,9 @@ class PipelineExecutable:
     stage_shard.check_constraints_used(option, self._operand_paths)
     # Dropout: every stage program takes the micro-batch index, so that each micro-batch
     # draws its rows of the whole batch's bits, as the single-device step does.
-    self._whole = whole = eqn.params["loss"].closed.jaxpr
-    normalizer = coupling.normalizer_of(whole.eqns, whole.outvars[0],
-                                        set(whole.invars[loss.num_consts:]))
-    self._coupled = coupling.coupling_in(
-        whole, [v for v, b in zip(whole.invars, self._batch_operand) if b], step.batch_size,
-        {normalizer} - {None})
+    self._whole = eqn.params["loss"].closed.jaxpr
+    self._coupled = coupling.loss_coupling(self._whole, loss.num_consts, self._batch_operand,
+                                           step.batch_size)
     if self._coupled and k > 1 and compile:
       coupling.warn_split(self._coupled, f"PipeshardParallel's {k} micro-batches")
     self._indexed = jaxpr_util.count_primitive(loss.closed.jaxpr, "random_bits") > 0

@@ -189,11 +189,9 @@ def plan(method: m.PipeshardParallel, step: TracedStep, lmesh: LogicalMesh, inde
   batch_mask = sum(1 << i for i, leaf in enumerate(step.inputs) if leaf.role == BATCH)
   operand_deps = jaxpr_util.dependencies(jaxpr, len(step.inputs), eqn.invars)
   in_mask = sum(1 << j for j, dep in enumerate(operand_deps) if dep & batch_mask)
-  normalizer = coupling.normalizer_of(loss_jaxpr.eqns, loss_jaxpr.outvars[0],
-                                      set(loss_jaxpr.invars[loss.num_consts:]))
-  coupled = coupling.coupling_in(
-      loss_jaxpr, [x for j, x in enumerate(loss_jaxpr.invars) if in_mask >> j & 1], batch,
-      {normalizer} - {None})
+  coupled = coupling.loss_coupling(
+      loss_jaxpr, loss.num_consts, [in_mask >> j & 1 for j in range(len(loss_jaxpr.invars))],
+      batch)
   if coupled:
     return (f"the loss mixes examples ({coupled}), and the SPMD runtime runs the stack on "
             f"micro-batches and device shares that do not see each other")
@@ -242,6 +240,8 @@ def plan(method: m.PipeshardParallel, step: TracedStep, lmesh: LogicalMesh, inde
     closed = local.eqns[stack.scan].params["jaxpr"]
     body, consts = closed.jaxpr, dict(zip(closed.jaxpr.constvars, closed.consts))
     corr = _correspondence(loss_jaxpr.eqns[stack.scan].params["jaxpr"].jaxpr, body)
+  normalizer = coupling.normalizer_of(loss_jaxpr.eqns, loss_jaxpr.outvars[0],
+                                      set(loss_jaxpr.invars[loss.num_consts:]))
   # The traces at the two sizes have the same equations, one for one.
   whole_body = (loss_jaxpr if stack.scan is None
                 else loss_jaxpr.eqns[stack.scan].params["jaxpr"].jaxpr)
