@@ -52,9 +52,11 @@ def batch_coupling(step: TracedStep) -> str | None:
   state: dict = {}
   batch = [v for v, leaf in zip(jaxpr.invars, step.inputs) if leaf.role == BATCH]
   coupled = coupling_in(jaxpr, batch, size, exempt, state)
-  if coupled or step.marker_index is None:
+  if coupled or step.marker_index is None or exempt:
     return coupled
-  return _mixed_loss(jaxpr, step.marker_index, state)
+  marker = jaxpr.eqns[step.marker_index]
+  values = [v for v, kind in zip(marker.invars, marker.params["kinds"]) if kind == "value"]
+  return _mixed_loss(jaxpr.eqns[:step.marker_index], values[0], state) if len(values) == 1 else None
 
 
 def warn_split(coupled: str, parts: str):
@@ -68,12 +70,16 @@ def warn_split(coupled: str, parts: str):
 
 
 def loss_coupling(loss_jaxpr, num_consts: int, batched, size: int) -> str | None:
-  """:func:`coupling_in` of a pipeline's loss (its value first; ``batched``: per input,
+  """:func:`batch_coupling` of a pipeline's loss (its value first; ``batched``: per input,
   whether it carries the batch), its token count (:func:`normalizer_of`) not followed."""
   normalizer = normalizer_of(loss_jaxpr.eqns, loss_jaxpr.outvars[0],
                              set(loss_jaxpr.invars[num_consts:]))
-  return coupling_in(loss_jaxpr, [v for v, b in zip(loss_jaxpr.invars, batched) if b], size,
-                     {normalizer} - {None})
+  state: dict = {}
+  coupled = coupling_in(loss_jaxpr, [v for v, b in zip(loss_jaxpr.invars, batched) if b], size,
+                        {normalizer} - {None}, state)
+  if coupled or normalizer is not None:
+    return coupled
+  return _mixed_loss(loss_jaxpr.eqns, loss_jaxpr.outvars[0], state)
 
 
 def coupling_in(jaxpr, batch_vars, size: int, exempt=frozenset(), state=None) -> str | None:
@@ -103,20 +109,24 @@ def coupling_in(jaxpr, batch_vars, size: int, exempt=frozenset(), state=None) ->
   return None
 
 
-def _mixed_loss(jaxpr, marker_index: int, state: dict) -> str | None:
-  """Why the loss's parts cannot be weighted alike (see :func:`part_scale`): it adds a sum
-  over the batch that is no mean (``c`` times the number of elements it sums is not 1) to
-  another kind of term (a mean, a weight penalty); None otherwise. From the whole batch's
-  trace alone, so a sum divided by a count of its own (``x.sum() / x.shape[0]`` over
-  tokens) counts as no mean too: such a step then runs as one whole-batch program, which
-  is exact, only slower than per device."""
-  marker = jaxpr.eqns[marker_index]
-  values = [v for v, kind in zip(marker.invars, marker.params["kinds"]) if kind == "value"]
-  if len(values) != 1:
-    return None
-  producer = {o: e for e in jaxpr.eqns[:marker_index] for o in e.outvars}
+def _mixed_loss(eqns, value, state: dict) -> str | None:
+  """Why the loss ``value`` (computed by ``eqns``; ``state`` as :func:`coupling_in` leaves
+  it) cannot be combined from its parts (see :func:`part_scale`), or None:
+
+  - it is no affine function of sums over the batch (``sqrt(mean(err ** 2))``, a log or a
+    product of batch means): a part's value says nothing exact about the whole's;
+  - it adds a sum over the batch that is no mean (``c`` times the number of elements it
+    sums is not 1) to another kind of term (a mean, a weight penalty).
+
+  From the whole batch's trace alone, so a sum divided by a count of its own
+  (``x.sum() / x.shape[0]`` over tokens) counts as no mean too: such a step then runs as
+  one whole-batch program, which is exact, only slower than per device."""
+  producer = {o: e for e in eqns for o in e.outvars}
+  if not _affine(value, producer, state):
+    return ("the loss is no affine function of sums over the batch (a square root, log or "
+            "product of batch means)")
   kinds = set()
-  for c, term in _terms(values[0], producer):
+  for c, term in _terms(value, producer):
     if isinstance(term, jex.JaxprEqn) and isinstance(state.get(term.invars[0]), int):
       kinds.add("mean" if math.isclose(c * math.prod(_shape(term.invars[0])), 1, rel_tol=1e-6)
                 else "sum")
@@ -126,6 +136,35 @@ def _mixed_loss(jaxpr, marker_index: int, state: dict) -> str | None:
     return ("the loss adds a sum over the batch to a mean or to a term without the batch, "
             "such as a weight penalty")
   return None
+
+
+_LINEAR = frozenset("add sub neg convert_element_type reduce_sum reshape squeeze copy".split())
+
+
+def _affine(value, producer, state: dict) -> bool:
+  """Whether ``value`` is made of sums over the batch (``reduce_sum`` over values carrying
+  it) and values that do not depend on the batch, by additions, subtractions, casts,
+  sums and products or quotients with values that do not depend on the batch."""
+  stack, seen = [value], set()
+  while stack:
+    v = stack.pop()
+    if isinstance(v, jex.Literal) or v in seen or state.get(v) is None:
+      continue  # does not depend on the batch
+    seen.add(v)
+    eqn = producer.get(v)
+    if eqn is None:
+      return False
+    name, ins = eqn.primitive.name, eqn.invars
+    if name == "reduce_sum" and isinstance(state.get(ins[0]), int):
+      continue  # a sum over the batch
+    dependent = [x for x in ins if not isinstance(x, jex.Literal) and state.get(x) is not None]
+    if name in _LINEAR:
+      stack.extend(dependent)
+    elif name in ("mul", "div") and len(dependent) == 1 and (name == "mul" or ins[0] is dependent[0]):
+      stack.append(dependent[0])
+    else:
+      return False
+  return True
 
 
 def _param_vars(step: TracedStep, jaxpr) -> set:

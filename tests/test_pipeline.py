@@ -219,11 +219,30 @@ def test_data_parallel_stages_reduce_gradients_once_per_step(pass_on, k, per_dev
     assert "the loss mixes examples" in exe.stages[0].note, exe.stages[0].note
 
 
-def test_a_loss_that_mixes_examples_runs_no_stage_per_device():
-  """A contrastive loss in one micro-batch: a stage run per device would compute it on
-  each device's share (the loss was 2.2 off serial); the stages keep their shard plans,
-  over the whole micro-batch, and the plan says why."""
-  step, make_state, batch = contrastive()
+def _rmse():
+  """(step, make_state, batch): an MLP trained on the root of the mean squared error, a
+  loss that is no affine function of sums over the batch."""
+  batch = models.regression_batch(32, 16)
+  make_state = lambda: models.create_state(models.MLP(hidden=32, num_layers=2), batch["x"],
+                                           tx=optax.sgd(0.05))
+
+  def step(state, batch):
+    def loss_fn(params):
+      return jnp.sqrt(jnp.mean((state.apply_fn(params, batch["x"]) - batch["y"]) ** 2))
+
+    loss, grads = jd.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+  return step, make_state, batch
+
+
+@pytest.mark.parametrize("workload", [contrastive, _rmse], ids=["contrastive", "rmse"])
+def test_a_loss_that_mixes_examples_runs_no_stage_per_device(workload):
+  """A contrastive loss or an RMSE in one micro-batch: a stage run per device would compute
+  it on each device's share (the contrastive loss was 2.2 off serial); the stages keep
+  their shard plans, over the whole micro-batch, and the plan says why. Split into
+  micro-batches, the RMSE's forward shows no batch statistic, and it warns all the same."""
+  step, make_state, batch = workload()
   expected = jax.jit(step)(make_state(), batch)
   parallel = jd.parallelize(step, method=jd.PipeshardParallel(
       num_micro_batches=1, layer_option=jd.AutoLayerOption(layer_num=2)))
@@ -231,6 +250,10 @@ def test_a_loss_that_mixes_examples_runs_no_stage_per_device():
   exe = parallel.get_executable(make_state(), batch)
   assert all(st.reduce is None for st in exe.stages), exe.plan.notes
   assert any("the loss mixes examples" in note for note in exe.plan.notes), exe.plan.notes
+  with pytest.warns(jd.errors.JaxdistWarning, match="mixes examples"):
+    jd.parallelize(step, method=jd.PipeshardParallel(
+        num_micro_batches=2, layer_option=jd.AutoLayerOption(layer_num=2))).get_executable(
+            make_state(), batch)
 
 
 def test_gpt_stages_reduce_gradients_once_per_step():
