@@ -160,7 +160,8 @@ def _affine(value, producer, state: dict) -> bool:
     dependent = [x for x in ins if not isinstance(x, jex.Literal) and state.get(x) is not None]
     if name in _LINEAR:
       stack.extend(dependent)
-    elif name in ("mul", "div") and len(dependent) == 1 and (name == "mul" or ins[0] is dependent[0]):
+    elif (name in ("mul", "div") and len(dependent) == 1
+          and (name == "mul" or ins[0] is dependent[0])):  # scaled by a batch-free value
       stack.append(dependent[0])
     else:
       return False

@@ -97,7 +97,8 @@ def contrastive():
 
   def make_state():
     ka, kb = jax.random.split(jax.random.key(0))
-    params = {"a": jax.random.normal(ka, (32, 16)) * 0.2, "b": jax.random.normal(kb, (24, 16)) * 0.2}
+    params = {"a": jax.random.normal(ka, (32, 16)) * 0.2,
+              "b": jax.random.normal(kb, (24, 16)) * 0.2}
     return {"params": params, "opt": tx.init(params)}
 
   def step(state, batch):
