@@ -174,23 +174,9 @@ def _param_vars(step: TracedStep, jaxpr) -> set:
 
 def _scaled_sum(v, producer):
   """``(c, s)`` if ``v`` is ``c`` times the ``reduce_sum`` equation ``s`` (through casts
-  and scaling by constants: a mean is a scaled sum), else None."""
-  scale = 1.0
-  while not isinstance(v, jex.Literal) and v in producer:
-    eqn = producer[v]
-    name, ins = eqn.primitive.name, eqn.invars
-    if name == "reduce_sum":
-      return scale, eqn
-    if name == "convert_element_type":
-      v = ins[0]
-    elif name in ("mul", "div") and isinstance(ins[1], jex.Literal):
-      scale = scale * float(ins[1].val) if name == "mul" else scale / float(ins[1].val)
-      v = ins[0]
-    elif name == "mul" and isinstance(ins[0], jex.Literal):
-      scale, v = scale * float(ins[0].val), ins[1]
-    else:
-      return None
-  return None
+  and scaling by constants: a mean is a scaled sum), else None: :func:`_terms`' one term."""
+  terms = _terms(v, producer)
+  return terms[0] if len(terms) == 1 and isinstance(terms[0][1], jex.JaxprEqn) else None
 
 
 def _terms(v, producer, scale: float = 1.0) -> list:
