@@ -26,7 +26,7 @@ from jaxdist.pipeline import spmd
 from jaxdist.pipeline.runtime import PipelineExecutable, loss_equation
 from jaxdist.recompute import RecomputeRequest, recomputing
 from jaxdist.shard.planner import plan_shard_parallel
-from jaxdist.trace import (PARAM, TracedStep, is_array, leaf_signature, trace_step,
+from jaxdist.trace import (PARAM, TracedStep, gc_paused, is_array, leaf_signature, trace_step,
                            with_micro_batch_trace)
 
 
@@ -267,6 +267,7 @@ class ParallelizedFunc:
     return tuple(i for i, a in enumerate(args)
                  if i not in self.batch_argnums and python_values(i, a))
 
+  @gc_paused()
   def planned(self, *args) -> "Planned":
     """Traces and plans the step for these arguments without compiling it (SPMD methods;
     what estimates and tuning read)."""
@@ -290,6 +291,7 @@ class ParallelizedFunc:
       self._planned = {key: planned}  # the compile that follows starts from it
     return planned
 
+  @gc_paused()
   def planned_stages(self, *args) -> PipelineExecutable:
     """PipeshardParallel: traces the step, forms its stages and plans their programs,
     compiling nothing (what estimates read: ``.stages``, ``.schedule``, where state lives)."""
@@ -320,6 +322,7 @@ class ParallelizedFunc:
             f"batch argument {b} ({args[b]!r:.60}) holds no arrays; batch arguments must be "
             f"arrays or pytrees of arrays with a leading batch dimension.")
 
+  @gc_paused()
   def _compile(self, args, static, planned: Planned | None = None):
     if isinstance(self.method, m.CreateStateParallel):
       raise errors.InvalidArgumentError(

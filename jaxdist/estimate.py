@@ -41,7 +41,7 @@ from jaxdist.mesh import LogicalMesh, device_costs
 from jaxdist.shard.cost import CostModel, combining_for
 from jaxdist.shard.specs import from_partition_spec, num_shards
 from jaxdist.shard.strategies import ELEMENTWISE, REDUCTIONS, nbytes
-from jaxdist.trace import BATCH, OPTIMIZER, PARAM, with_micro_batch_trace
+from jaxdist.trace import BATCH, OPTIMIZER, PARAM, gc_paused, with_micro_batch_trace
 
 ROLE_KEYS = {PARAM: "params", OPTIMIZER: "optimizer", BATCH: "batch"}
 
@@ -171,6 +171,7 @@ class StageEstimate:
   communication_s: float
 
 
+@gc_paused()
 def estimate(step, *args, method: m.Method | None = None, compile: bool = False,
              calibrated: bool = True) -> Estimate:
   """Estimates the memory per device and the step time of ``step`` under ``method``.

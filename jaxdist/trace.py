@@ -16,7 +16,9 @@ optimizer and any pytree layout works.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import inspect as pyinspect
 from typing import Any
 
@@ -88,6 +90,22 @@ class TracedStep:
   num_markers: int = 0
   micro_jaxpr: Any = None
   micro_marker_index: int | None = None
+
+
+@contextlib.contextmanager
+def gc_paused():
+  """Python's cycle collector off while a step is traced, planned and lowered: those
+  phases allocate millions of short-lived objects beside the large jaxprs they walk, and
+  the collector's passes over them took ~10% of a GPT's first call (0.3 s of 3.0 s:
+  half the lowering, a fifth of the planning). Cycles left meanwhile are collected
+  after, as usual; a collector the user turned off stays off."""
+  was = gc.isenabled()
+  gc.disable()
+  try:
+    yield
+  finally:
+    if was:
+      gc.enable()
 
 
 def is_array(x) -> bool:

@@ -39,6 +39,28 @@ def test_second_call_does_not_retrace_and_new_shape_compiles_anew():
   assert len(traces) == 2
 
 
+@pytest.mark.parametrize("user_gc", [True, False])
+def test_tracing_and_planning_pause_the_cycle_collector_and_restore_it(user_gc):
+  import gc
+  seen = []
+  inner = models.regression_step()
+
+  def step(state, batch):
+    seen.append(gc.isenabled())
+    return inner(state, batch)
+
+  state, batch = _mlp_setup()
+  (gc.enable if user_gc else gc.disable)()
+  try:
+    jd.parallelize(step, method=jd.ShardParallel()).get_executable(state, batch)
+    jd.estimate(step, state, batch, method=jd.DataParallel())
+    after = gc.isenabled()
+  finally:
+    gc.enable()
+  assert seen and not any(seen)
+  assert after == user_gc
+
+
 def test_outputs_keep_structure_and_are_named_shardings():
   state, batch = _mlp_setup()
   f = jd.parallelize(models.regression_step(), method=jd.Zero2Parallel())

@@ -396,6 +396,7 @@ def test_a_malformed_plan_file_raises_plan_mismatch(text, match):
 
 
 def test_a_second_plan_of_the_same_step_comes_from_the_disk_cache(tmp_path, monkeypatch):
+  from jaxdist.shard import graph as graph_module
   from jaxdist.shard import planner
   monkeypatch.setenv("JAXDIST_CACHE_DIR", str(tmp_path))
   step, state, data = _mlp()
@@ -404,6 +405,9 @@ def test_a_second_plan_of_the_same_step_comes_from_the_disk_cache(tmp_path, monk
   monkeypatch.setattr(planner, "solve_ilp", lambda *a, **k: solves.append(1) or real(*a, **k))
   monkeypatch.setattr(planner, "build_graph",
                       lambda *a, **k: graphs.append(1) or real_build(*a, **k))
+  priced, real_price = [], graph_module._price
+  monkeypatch.setattr(graph_module, "_price",
+                      lambda *a, **k: priced.append(1) or real_price(*a, **k))
   method = jd.ShardParallel(devices=_mesh((2, 4), H100))
   first = jd.parallelize(step, method=method).get_executable(state, data)
   assert len(solves) == 1 and list((tmp_path / "plans").glob("*.json"))
@@ -413,9 +417,10 @@ def test_a_second_plan_of_the_same_step_comes_from_the_disk_cache(tmp_path, monk
   assert second.plan == first.plan
   assert second.layout == first.layout  # every constraint, as the search chose it
   assert second.communication() == first.communication()
-  # The estimator reads the chosen shape's graph: rebuilt, with the cached solution.
+  # The estimator reads the chosen shape's graph: rebuilt, with the cached solution, and
+  # not priced (its costs are the ILP's, most of the build).
   estimate = jd.estimate(step, state, data, method=method)
-  assert len(solves) == 1 and len(graphs) == 2
+  assert len(solves) == 1 and len(graphs) == 2 and len(priced) == 1
   assert estimate.memory_per_device > 0
   # A damaged result file (another version's, say) is a miss, not an error.
   for path in (tmp_path / "plans").glob("*.json"):

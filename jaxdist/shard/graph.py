@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from collections.abc import Callable
 
 import jax.extend.core as jex
 import numpy as np
@@ -78,7 +79,9 @@ class StrategyGraph:
   Attributes:
     nodes: every node.
     group_sizes: number of choices per group.
-    group_costs: per group, a cost vector over its choices.
+    group_costs: per group, a cost vector over its choices (None until
+      :meth:`priced`, for a graph built with ``priced=False``; also ``edge_costs`` and
+      ``combine``).
     edge_costs: (producer group, consumer group) → cost matrix.
     producer: jaxpr variable → (node index, output position).
     unknown_primitives: primitives that got no rule (replicated).
@@ -97,6 +100,15 @@ class StrategyGraph:
   flows: list = dataclasses.field(default_factory=list)
   combine: object = None
   loop: MicroBatchLoop | None = None
+  _pricing: Callable[[], tuple] | None = dataclasses.field(default=None, repr=False)
+
+  def priced(self) -> "StrategyGraph":
+    """This graph with ``group_costs``, ``edge_costs`` and ``combine`` filled in (a graph
+    built with ``priced=False`` computes them on the first call)."""
+    if self._pricing is not None:
+      self.group_costs, self.edge_costs, self.combine = self._pricing()
+      self._pricing = None
+    return self
 
   def collectives(self, choice, cost_model: CostModel, at_source=lambda node: False,
                   batch_axes=None) -> list[tuple[int, tuple[str, tuple, float]]]:
@@ -186,7 +198,7 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
                 tied_outputs: dict[int, int] | None = None,
                 batch_inputs: frozenset[int] = frozenset(),
                 regions: list | None = None, weights: list | None = None,
-                loop: MicroBatchLoop | None = None) -> StrategyGraph:
+                loop: MicroBatchLoop | None = None, priced: bool = True) -> StrategyGraph:
   """Builds the strategy graph of an (inlined) jaxpr.
 
   Args:
@@ -203,6 +215,8 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
       operands and its collectives count that many times.
     loop: the micro-batch loop of a step with ``num_micro_batches`` > 1, priced as
       ``jaxdist.shard.micro`` describes.
+    priced: compute the costs now; else on :meth:`StrategyGraph.priced` (a plan whose
+      solution is cached needs only the strategies: pricing is most of the build).
   """
   sizes = cost_model.axis_sizes
   nodes: list[Node] = []
@@ -287,7 +301,6 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
       repeats = loop.repeats(v) if loop is not None and loop.runs_in_loop(node.eqn) else (1, 1)
       flows.append(Flow(producer[v][0], producer[v][1], node_ids[id(node)], tuple(required),
                         nbytes(v), operand=pos, dtype=v.aval.dtype, repeats=repeats))
-  phase = combine.phases(nodes, flows)
   for out_pos, in_pos in (tied_outputs or {}).items():
     v_out = jaxpr.outvars[out_pos]
     if isinstance(v_out, jex.Literal) or v_out not in producer:
@@ -296,17 +309,27 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
     required = tuple(s.out_specs[0] for s in nodes[dst_id].strategies)
     flows.append(Flow(producer[v_out][0], producer[v_out][1], dst_id, required, nbytes(v_out),
                       tied=True, dtype=v_out.aval.dtype))
-
-  fused = _fused_into_consumers(nodes, flows, jaxpr.outvars)
-  group_costs = [np.zeros(n) for n in group_sizes]
-  edge_costs: dict[tuple[int, int], np.ndarray] = {}
-  members = combine.Members(cost_model)
   # Inside a micro-batch loop, the collectives of an equation whose outputs keep the
   # batch dimension run once per micro-batch (k α, the same bytes); one that lost it
   # (a weight gradient's partial sums) is reduced once, after the loop, over the batch
   # axes, but k times whole over an axis that cannot split the batch.
-  batch_axes = {a for i in (batch_inputs if loop is not None else ())
-                for s in (input_choices or {}).get(i, ()) if s for a in s[0]}
+  batch_axes = frozenset(a for i in (batch_inputs if loop is not None else ())
+                         for s in (input_choices or {}).get(i, ()) if s for a in s[0])
+  graph = StrategyGraph(nodes, group_sizes, None, None, producer, tuple(unknown), flows,
+                        None, loop)
+  graph._pricing = lambda: _price(graph, cost_model, jaxpr.outvars, batch_axes)
+  return graph.priced() if priced else graph
+
+
+def _price(graph: StrategyGraph, cost_model: CostModel, outvars, batch_axes):
+  """(group costs, edge costs, combined groups) of a graph's nodes and flows."""
+  nodes, flows, loop = graph.nodes, graph.flows, graph.loop
+  sizes = cost_model.axis_sizes
+  phase = combine.phases(nodes, [f for f in flows if not f.tied])
+  fused = _fused_into_consumers(nodes, flows, outvars)
+  group_costs = [np.zeros(n) for n in graph.group_sizes]
+  edge_costs: dict[tuple[int, int], np.ndarray] = {}
+  members = combine.Members(cost_model)
   for k, node in enumerate(nodes):
     looped = loop is not None and loop.runs_in_loop(node.eqn)
     scaled = looped and any(loop.scaled(v) for v in node.eqn.outvars)
@@ -336,8 +359,7 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
   for flow in flows:
     _add_edge(group_costs, edge_costs, cost_model, members, nodes, flow,
               combine.TAIL if flow.tied else combine.before(phase, nodes, flow.dst), cache)
-  return StrategyGraph(nodes, group_sizes, group_costs, edge_costs, producer, tuple(unknown),
-                       flows, members.terms(), loop)
+  return group_costs, edge_costs, members.terms()
 
 
 def _rule_out_undivided(costs, node: Node, loop: MicroBatchLoop, sizes) -> None:

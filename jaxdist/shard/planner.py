@@ -525,7 +525,7 @@ def _micro_batch_predictions(step: TracedStep, plan: MeshPlan, layout: Layout, k
 def communication_seconds(plan: MeshPlan) -> float:
   """The communication part of a solved plan's objective (collectives and resharding,
   with one α per combined group)."""
-  graph, choice, cost_model = plan.graph, plan.solution.choice, plan.cost_model
+  graph, choice, cost_model = plan.graph.priced(), plan.solution.choice, plan.cost_model
   seconds = sum(cost_model.collective(*c) for _, c in graph.collectives(choice, cost_model))
   return seconds + (graph.combine.charge(choice) if graph.combine is not None else 0.0)
 
@@ -670,7 +670,7 @@ def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
   batch = frozenset(k for k, leaf in enumerate(step.inputs) if leaf.role == BATCH)
   graph = build_graph(jaxpr, cost_model,
                       _input_choices(step, lmesh, opt, pinned, num_micro_batches), tied, batch,
-                      regions, weights, loop)
+                      regions, weights, loop, priced=False)
   memory = None
   if opt.memory_budget_per_device is not None:
     memory = memory_constraint(jaxpr, graph, step, lmesh, loop)
@@ -688,7 +688,7 @@ def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
              free if ties is None else len({ties[g] for g, n in enumerate(graph.group_sizes)
                                             if n > 1}))
     start = time.perf_counter()
-    solution = solve_ilp(graph, memory, opt.memory_budget_per_device, opt.solver_time_limit_s,
+    solution = solve_ilp(graph.priced(), memory, opt.memory_budget_per_device, opt.solver_time_limit_s,
                          ties)
     log.info("mesh %s solved in %.2f s: %.4g ms predicted (%s)", lmesh.shape,
              time.perf_counter() - start, solution.objective * 1e3, solution.status)

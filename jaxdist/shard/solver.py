@@ -69,6 +69,7 @@ class Solution:
 
 
 def objective_of(graph: StrategyGraph, choice) -> float:
+  graph = graph.priced()
   total = sum(float(c[choice[g]]) for g, c in enumerate(graph.group_costs))
   for (g, h), m in graph.edge_costs.items():
     total += float(m[choice[g], choice[h]])
