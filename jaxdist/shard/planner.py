@@ -688,8 +688,8 @@ def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
              free if ties is None else len({ties[g] for g, n in enumerate(graph.group_sizes)
                                             if n > 1}))
     start = time.perf_counter()
-    solution = solve_ilp(graph.priced(), memory, opt.memory_budget_per_device, opt.solver_time_limit_s,
-                         ties)
+    solution = solve_ilp(graph.priced(), memory, opt.memory_budget_per_device,
+                         opt.solver_time_limit_s, ties)
     log.info("mesh %s solved in %.2f s: %.4g ms predicted (%s)", lmesh.shape,
              time.perf_counter() - start, solution.objective * 1e3, solution.status)
   if jax.process_count() > 1:  # a time limit or a cached solution may differ per process
