@@ -436,6 +436,27 @@ def test_a_second_plan_of_the_same_step_comes_from_the_disk_cache(tmp_path, monk
   assert len(solves) == 2
 
 
+def test_a_cached_plan_with_micro_batches_is_estimated_without_tracing_a_micro_batch(
+    tmp_path, monkeypatch):
+  # The micro-batch trace only prices the loop for the ILP: a plan from the cache, and
+  # the estimate of it, skip it (it is most of such an estimate's time).
+  from jaxdist.shard import planner
+  monkeypatch.setenv("JAXDIST_CACHE_DIR", str(tmp_path))
+  step, state, data = _mlp(jd.value_and_grad)
+  loops, real = [], planner.micro_batch_loop
+  monkeypatch.setattr(planner, "micro_batch_loop", lambda *a: loops.append(1) or real(*a))
+  method = jd.ShardParallel(devices=_mesh((2, 4), H100), num_micro_batches=2)
+  first = jd.parallelize(step, method=method).get_executable(state, data)
+  assert len(loops) == 1
+  estimate = jd.estimate(step, state, data, method=method)
+  second = jd.parallelize(step, method=method).get_executable(state, data)
+  assert len(loops) == 1
+  assert second.layout == first.layout
+  assert estimate.plan == first.plan
+  compiled = first.get_total_allocation_size()
+  assert abs(estimate.memory_per_device / compiled - 1) <= 0.10
+
+
 def test_an_op_without_a_rule_is_named_in_the_notes():
   def step(w, batch):
     def loss_fn(w):

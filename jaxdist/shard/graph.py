@@ -10,6 +10,7 @@ spec to the spec the consumer requires).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -69,7 +70,6 @@ class Flow:
   tied: bool = False
   operand: int | None = None
   dtype: object = None
-  repeats: tuple[int, int] = (1, 1)  # (α, bytes) multipliers inside a micro-batch loop
 
 
 @dataclasses.dataclass
@@ -88,7 +88,7 @@ class StrategyGraph:
     flows: every data flow (:class:`Flow`).
     combine: the collectives XLA may combine, for one α per combined group
       (:class:`jaxdist.shard.combine.Terms`).
-    loop: the micro-batch loop the costs price, if any.
+    loop: the micro-batch loop the costs price, if any (:attr:`loop`).
   """
 
   nodes: list[Node]
@@ -99,8 +99,22 @@ class StrategyGraph:
   unknown_primitives: tuple[str, ...]
   flows: list = dataclasses.field(default_factory=list)
   combine: object = None
-  loop: MicroBatchLoop | None = None
+  _loop: Callable[[], MicroBatchLoop] | None = dataclasses.field(default=None, repr=False)
   _pricing: Callable[[], tuple] | None = dataclasses.field(default=None, repr=False)
+
+  @functools.cached_property
+  def loop(self) -> MicroBatchLoop | None:
+    """The micro-batch loop the costs price, if any. Built on first use: it needs the
+    step traced at the micro-batch size, which a plan from the cache never prices."""
+    return None if self._loop is None else self._loop()
+
+  def repeats(self, flow: Flow) -> tuple[int, int]:
+    """(α, bytes) multipliers of ``flow``'s resharding: how often it moves per step inside
+    a micro-batch loop."""
+    eqn = self.nodes[flow.dst].eqn
+    if flow.tied or self._loop is None or not self.loop.runs_in_loop(eqn):
+      return (1, 1)
+    return self.loop.repeats(eqn.invars[flow.operand])
 
   def priced(self) -> "StrategyGraph":
     """This graph with ``group_costs``, ``edge_costs`` and ``combine`` filled in (a graph
@@ -140,11 +154,11 @@ class StrategyGraph:
       if not flow.tied and want != have and self._rearranged_from_moved(flow, want, choice, moved):
         continue
       where = flow.src if flow.tied or at_source(flow.src) else flow.dst
+      repeat = self.repeats(flow)[1]
       if not flow.tied and self._joined_first(flow, have, want):
-        pieces.setdefault((where, have, want, flow.dtype, flow.repeats[1]), []).append(flow)
+        pieces.setdefault((where, have, want, flow.dtype, repeat), []).append(flow)
         continue
-      out += self._moved(where, have, want, flow.full_bytes, flow.dtype, flow.repeats[1],
-                         cost_model)
+      out += self._moved(where, have, want, flow.full_bytes, flow.dtype, repeat, cost_model)
     for (where, have, want, dtype, repeat), flows in pieces.items():
       out += self._moved(where, have, want, sum(f.full_bytes for f in flows), dtype, repeat,
                          cost_model)
@@ -198,7 +212,8 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
                 tied_outputs: dict[int, int] | None = None,
                 batch_inputs: frozenset[int] = frozenset(),
                 regions: list | None = None, weights: list | None = None,
-                loop: MicroBatchLoop | None = None, priced: bool = True) -> StrategyGraph:
+                loop: Callable[[], MicroBatchLoop] | None = None,
+                priced: bool = True) -> StrategyGraph:
   """Builds the strategy graph of an (inlined) jaxpr.
 
   Args:
@@ -213,8 +228,8 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
     weights: per equation, how many times it runs per step (a long scan's stand-in
       iterations, see ``jaxpr_util.unroll_scans``): its costs, the resharding of its
       operands and its collectives count that many times.
-    loop: the micro-batch loop of a step with ``num_micro_batches`` > 1, priced as
-      ``jaxdist.shard.micro`` describes.
+    loop: returns the micro-batch loop of a step with ``num_micro_batches`` > 1, priced
+      as ``jaxdist.shard.micro`` describes (called when the costs are computed).
     priced: compute the costs now; else on :meth:`StrategyGraph.priced` (a plan whose
       solution is cached needs only the strategies: pricing is most of the build).
   """
@@ -298,9 +313,8 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
       if isinstance(v, jex.Literal) or v not in producer:
         continue
       required = [s.in_specs[pos] if pos < len(s.in_specs) else None for s in node.strategies]
-      repeats = loop.repeats(v) if loop is not None and loop.runs_in_loop(node.eqn) else (1, 1)
       flows.append(Flow(producer[v][0], producer[v][1], node_ids[id(node)], tuple(required),
-                        nbytes(v), operand=pos, dtype=v.aval.dtype, repeats=repeats))
+                        nbytes(v), operand=pos, dtype=v.aval.dtype))
   for out_pos, in_pos in (tied_outputs or {}).items():
     v_out = jaxpr.outvars[out_pos]
     if isinstance(v_out, jex.Literal) or v_out not in producer:
@@ -316,7 +330,7 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
   batch_axes = frozenset(a for i in (batch_inputs if loop is not None else ())
                          for s in (input_choices or {}).get(i, ()) if s for a in s[0])
   graph = StrategyGraph(nodes, group_sizes, None, None, producer, tuple(unknown), flows,
-                        None, loop)
+                        _loop=loop)
   graph._pricing = lambda: _price(graph, cost_model, jaxpr.outvars, batch_axes)
   return graph.priced() if priced else graph
 
@@ -357,7 +371,7 @@ def _price(graph: StrategyGraph, cost_model: CostModel, outvars, batch_axes):
           cost_model.write(b / num_shards(spec, sizes)) for b, spec in zip(out_bytes, s.out_specs))
   cache = {}
   for flow in flows:
-    _add_edge(group_costs, edge_costs, cost_model, members, nodes, flow,
+    _add_edge(group_costs, edge_costs, cost_model, members, nodes, flow, graph.repeats(flow),
               combine.TAIL if flow.tied else combine.before(phase, nodes, flow.dst), cache)
   return group_costs, edge_costs, members.terms()
 
@@ -397,11 +411,11 @@ def _has_producer(v, producer) -> bool:
   return not isinstance(v, jex.Literal) and v in producer
 
 
-def _add_edge(group_costs, edge_costs, cost_model, members, nodes, flow: Flow, phase: int,
-              cache: dict):
+def _add_edge(group_costs, edge_costs, cost_model, members, nodes, flow: Flow,
+              repeats: tuple[int, int], phase: int, cache: dict):
   """Adds a flow's resharding: to its group's costs when both ends share a group, else
   to the edge matrix of the two groups; records the collectives for combining.
-  ``cache``: (source spec, target spec, bytes) → (seconds, collectives)."""
+  ``repeats``: (α, bytes) multipliers (:meth:`StrategyGraph.repeats`). ``cache``: (source spec, target spec, bytes) → (seconds, collectives)."""
   src, required = nodes[flow.src], flow.required
   if all(r is None for r in required):
     return
@@ -409,7 +423,7 @@ def _add_edge(group_costs, edge_costs, cost_model, members, nodes, flow: Flow, p
   src_specs = [s.out_specs[flow.pos] for s in src.strategies]
   same = src.group == dst_group
   weight = 1.0 if flow.tied else nodes[flow.dst].weight  # the operand is read that often
-  alpha_repeat, bytes_repeat = flow.repeats
+  alpha_repeat, bytes_repeat = repeats
   matrix = np.zeros((len(src_specs), len(required)))
   for a, have in enumerate(src_specs):
     for b, want in enumerate(required):

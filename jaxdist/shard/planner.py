@@ -186,8 +186,8 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
     uses_marker(method, step)  # raises unless there is one top-level marker
   # The micro-batch loop's pricing (traced only where an ILP is built: not on a cache hit).
   priced_loop = k > 1 and micro_trace is not None
-  loop = functools.cache(lambda: micro_batch_loop(inlined.jaxpr, step, micro_trace(k), k)
-                         if priced_loop else None)
+  loop = (functools.cache(lambda: micro_batch_loop(inlined.jaxpr, step, micro_trace(k), k))
+          if priced_loop else None)
   # With one micro-batch the unrolled scans compile as loops (see rolled.py), whose
   # collectives combine only within an iteration; with more, the step compiles unrolled.
   regions = _loop_regions(origins) if k == 1 else None
@@ -215,7 +215,7 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
       return ShardPlanResult(step, layout, hit["objective"], hit["mesh_objectives"],
                              hit["predicted_collectives"], lambda: _plan_one(
                                  step, lmesh, opt, pinned, k, regions, weights, pairs, text,
-                                 loop()))
+                                 loop))
   mirrored = _mirrored_shapes(shapes, base, opt, pinned) if why is None else {}
   plans, objectives, infeasible = [], {}, []
   with progress.bar(len(shapes) - len(mirrored), "ShardParallel: planning") as shown:
@@ -226,7 +226,7 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
       shown.describe(f"ShardParallel: solving mesh {name}")
       lmesh = mesh_for(shape, base, names)
       try:
-        plan = _plan_one(step, lmesh, opt, pinned, k, regions, weights, pairs, text, loop())
+        plan = _plan_one(step, lmesh, opt, pinned, k, regions, weights, pairs, text, loop)
       except errors.InfeasiblePlanError as e:
         infeasible.append((shape, e))
         continue
@@ -660,7 +660,9 @@ def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
               pinned: dict[int, DimAxes] | None = None, num_micro_batches: int = 1,
               regions: list | None = None, weights: list | None = None,
               pairs=(), jaxpr_text: str | None = None,
-              loop: MicroBatchLoop | None = None) -> MeshPlan:
+              loop: Callable[[], MicroBatchLoop] | None = None) -> MeshPlan:
+  """Solves (or loads from the plan cache) the plan on one mesh. ``loop`` returns the
+  micro-batch loop to price (traced at the micro-batch size: only when solving)."""
   jaxpr = step.closed_jaxpr.jaxpr
   cost_model = CostModel(lmesh, allow_all_gather=opt.allow_all_gather,
                          allow_all_to_all=opt.allow_all_to_all,
@@ -671,14 +673,14 @@ def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
   graph = build_graph(jaxpr, cost_model,
                       _input_choices(step, lmesh, opt, pinned, num_micro_batches), tied, batch,
                       regions, weights, loop, priced=False)
-  memory = None
-  if opt.memory_budget_per_device is not None:
-    memory = memory_constraint(jaxpr, graph, step, lmesh, loop)
   digest = cache.key(jaxpr_text or str(step.closed_jaxpr),
                      [(l.shape, str(l.dtype), l.role) for l in step.inputs], _mesh_key(lmesh),
                      opt, pinned, num_micro_batches, tied, regions is not None, loop is not None)
   solution = loaded = cache.load(digest, len(graph.group_sizes)) if opt.plan_cache else None
+  memory = None
   if solution is None:
+    if opt.memory_budget_per_device is not None:
+      memory = memory_constraint(jaxpr, graph, step, lmesh, graph.loop)
     # A stand-in's two iterations always share one plan: the loop compiles with one body.
     ties = (tie_groups(jaxpr, graph, pairs=pairs) if opt.share_repeated_layers else
             tie_groups(jaxpr, graph, None, pairs) if pairs else None)
