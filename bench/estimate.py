@@ -11,7 +11,10 @@ temporaries (XLA's memory analysis of the same plan). Goal: the worst row within
 (the issue's; goal 5%). Time: the estimate's own analysis (``Estimate.timings["estimate_s"]``)
 against XLA's lowering and compile of the same step: goal under 10%. Tracing and planning
 come before both (an estimate of the same ``jaxdist.parallelize``d step hands its plan to
-the compile that follows) and are printed on their own.
+the compile that follows) and are printed on their own. A pipeline's compile is timed
+whole (``get_executable``: its stages' plans come from the plan cache the estimate filled,
+then every stage program compiles); its planning (trace, stages, each stage's ILP) is the
+``plan s`` column.
 Step time: after jd.calibrate() on these devices, the estimate against the measured median
 of 5 steps. Goal: within 25%.
 Run: python bench/estimate.py
@@ -78,7 +81,7 @@ def pipeline_table():
         f"stage's peak, estimate vs XLA's programs plus the runtime's buffers (MB)")
   print(f"{'model':<5} {'stages':>6} {'schedule':<8} {'stage':>5} {'in flight':>9} "
         f"{'estimate':>9} {'compiled':>9} {'ratio':>6} {'program est':>11} "
-        f"{'program XLA':>11} {'ratio':>6} {'est s':>6} {'compile s':>9}")
+        f"{'program XLA':>11} {'ratio':>6} {'plan s':>6} {'est s':>6} {'compile s':>9}")
   worst = worst_program = slowest = 0.0
   for name, workload in (("mlp", mlp), ("gpt", gpt)):
     for stages in (2, 4):
@@ -87,9 +90,8 @@ def pipeline_table():
         method = jd.PipeshardParallel(num_micro_batches=4, pipeline_schedule=schedule,
                                       layer_option=jd.AutoLayerOption(layer_num=stages),
                                       stage_option=jd.UniformStageOption(num_stages=stages))
-        start = time.perf_counter()
-        jd.estimate(step, state, batch, method=method)
-        est_s = time.perf_counter() - start
+        timings = jd.estimate(step, state, batch, method=method).timings
+        plan_s, est_s = timings["plan_s"], timings["estimate_s"]
         start = time.perf_counter()
         jd.parallelize(step, method=method).get_executable(state, batch)
         compile_s = time.perf_counter() - start
@@ -104,11 +106,11 @@ def pipeline_table():
           print(f"{name:<5} {stages:>6} {schedule:<8} {st.index:>5} {st.max_in_flight:>9} "
                 f"{st.memory_per_device / 1e6:9.2f} {compiled / 1e6:9.2f} {ratio:6.3f} "
                 f"{st.program_bytes / 1e6:11.2f} {st.compiled_program_bytes / 1e6:11.2f} "
-                f"{program:6.3f} {est_s:6.2f} {compile_s:9.2f}", flush=True)
+                f"{program:6.3f} {plan_s:6.2f} {est_s:6.2f} {compile_s:9.2f}", flush=True)
   print(f"worst stage peak error {worst:.1%} (goal 10%): {common.verdict(worst <= 0.10)}; "
         f"worst stage program error {worst_program:.1%}")
-  print(f"estimate / (trace + plan + compile) at most {slowest:.2f} (goal 0.10; the "
-        f"estimate plans every stage): {common.verdict(slowest <= 0.10)}")
+  print(f"estimate / compile at most {slowest:.2f} (goal 0.10): "
+        f"{common.verdict(slowest <= 0.10)}")
 
 
 def time_table():

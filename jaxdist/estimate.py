@@ -81,8 +81,9 @@ class Estimate:
     timings: seconds by phase: ``trace_s`` and ``plan_s`` (the step traced and planned,
       work a compile of the same step repeats or, for the same ``jaxdist.parallelize``d
       function, reuses), ``estimate_s`` (this estimate's own analysis), and with
-      ``compile=True`` ``lower_s`` and ``compile_s`` (XLA's). A pipeline's stages are
-      planned inside ``estimate_s``.
+      ``compile=True`` ``lower_s`` and ``compile_s`` (XLA's). A pipeline's ``plan_s``
+      traces the step, forms its stages and plans their programs; its ``compile_s``
+      (with ``compile=True``) is the whole compile of the step.
   """
 
   method: str
@@ -196,11 +197,9 @@ def estimate(step, *args, method: m.Method | None = None, compile: bool = False,
   else:
     func = parallelize(step, method=method)
   method = func.method
-  start = time.perf_counter()
   if isinstance(method, m.PipeshardParallel):
     from jaxdist.pipeline.estimate import estimate_pipeline
-    est = estimate_pipeline(func, args, compile, calibrated)
-    return dataclasses.replace(est, timings={"estimate_s": time.perf_counter() - start})
+    return estimate_pipeline(func, args, compile, calibrated)
   planned = func.planned(*args)
   start = time.perf_counter()
   est = estimate_planned(method, planned, lambda: _micro_step(func, planned, args), calibrated)

@@ -224,6 +224,10 @@ def test_pipeline_estimate_per_stage(workload):
     est = by_schedule[schedule] = jd.estimate(step, state, batch, method=method,
                                               compile=schedule == "1f1b")
     assert len(est.stages) == 2 and est.plan.method == "PipeshardParallel"
+    # Planning the stages, compiling them and the estimate's own analysis, apart.
+    assert set(est.timings) == ({"plan_s", "compile_s", "estimate_s"} if schedule == "1f1b"
+                                else {"plan_s", "estimate_s"})
+    assert all(t >= 0 for t in est.timings.values())
     assert est.memory_per_device == max(st.memory_per_device for st in est.stages)
     assert est.step_time_s == pytest.approx(est.compute_s + est.communication_s)
     for st in est.stages:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 import jax
 import jax.extend.core as jex
@@ -45,7 +46,9 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
   stage's backward program beside the estimate (and the step's in ``compiled``)."""
   from jaxdist.api import ParallelizedFunc, Planned
   method = func.method
+  start = time.perf_counter()
   exe = func.planned_stages(*args)
+  timings = {"plan_s": time.perf_counter() - start}
   k = method.num_micro_batches or 1
   in_flight = exe.schedule.max_in_flight()
   loss_jaxpr = exe._loss.closed.jaxpr
@@ -54,7 +57,10 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
     target = func if not exe.spmd_runtime else ParallelizedFunc(
         func.fun, dataclasses.replace(method, runtime="mpmd"), func.static_argnums,
         func.donate_argnums, func.batch_argnums)
+    start = time.perf_counter()
     compiled_exe = target.get_executable(*args)
+    timings["compile_s"] = time.perf_counter() - start
+  start = time.perf_counter()
   slices = exe.batch_slice_bytes()
   stages, estimates = [], []
   for s, st in enumerate(exe.stages):
@@ -133,11 +139,13 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
   if compiled_exe is not None:
     peaks = compiled_exe.device_peaks()
     compiled = dict(total=max(peaks.values()), **peaks)
+  timings["estimate_s"] = time.perf_counter() - start
   return Estimate(method.name, memory, breakdown,
                   compute + communication, compute, communication, collectives, plan,
                   tuple(notes), compiled, sum(e.flops for e in estimates) * k,
                   sum(e.bytes_accessed for e in estimates) * k,
-                  exe.spmd_runtime or any(e.approximate for e in estimates), tuple(stages))
+                  exe.spmd_runtime or any(e.approximate for e in estimates), tuple(stages),
+                  timings=timings)
 
 
 # What a stage keeps on its devices between its programs.
