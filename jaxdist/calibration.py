@@ -9,7 +9,13 @@ DataParallel over the devices), and fits the three coefficients (non-negative le
 squares on the measured time less the estimated communication, each step weighted by
 the inverse of its time: the fit minimizes relative errors, so a 16 ms step counts as
 much as a 600 ms one; unweighted, the slowest steps decided the fit and the fastest were
-estimated 2x too slow on this CPU).
+estimated 2x too slow on this CPU). The reference steps take their gradients with
+``jaxdist.value_and_grad``, so DataParallel runs them as the estimate models every
+SPMD method: one program per device and one explicit reduction of the gradients. A
+``jax.value_and_grad`` step is partitioned by XLA instead, which all-reduces each
+weight gradient before its transpose and then reads it transposed in every fusion of
+the update: on 8 simulated CPU devices that made an 8-layer Adam MLP's step 1.9x slower
+(57 vs 31 ms) at the same flops and bytes, and its references no line could fit.
 
 A profile also measures the links: a chain of dependent all-reduces over all the
 devices, of 4 bytes and of 4 MiB per device, gives the latency α of one collective and
@@ -36,7 +42,7 @@ import numpy as np
 
 from jaxdist import cache_dir
 
-VERSION = 2
+VERSION = 3  # 3: reference steps with jaxdist.value_and_grad
 log = logging.getLogger("jaxdist.estimate")
 
 
@@ -197,15 +203,18 @@ def _store(profile: Profile) -> None:
 
 
 def _reference_steps(n: int, models, optax):
-  """Small steps with different ratios of flops to bytes, sized for ``n`` devices."""
+  """Small steps with different ratios of flops to bytes, sized for ``n`` devices, their
+  gradients taken with ``jaxdist.value_and_grad`` (see the module docstring)."""
+  from jaxdist.grad import value_and_grad
+
   for hidden, rows in ((256, 16), (512, 8), (512, 64), (1024, 16)):
     data = models.regression_batch(rows * n, hidden, out=hidden)
     state = models.create_state(models.MLP(hidden=hidden, num_layers=4, out=hidden), data["x"],
                                 tx=optax.adam(1e-3))
-    yield f"mlp-{hidden}x{rows}", (models.regression_step(), state, data)
+    yield f"mlp-{hidden}x{rows}", (models.regression_step(value_and_grad), state, data)
   for width, rows in ((128, 2), (256, 2), (256, 8)):
     config = models.GPTConfig(vocab=512, width=width, heads=4, depth=2, seq_len=64)
     batch = models.token_batch(rows * n, config)
     state = models.create_state(models.GPT(config), batch["tokens"][:, :-1],
                                 tx=optax.adam(1e-3))
-    yield f"gpt-{width}x{rows}", (models.lm_step(), state, batch)
+    yield f"gpt-{width}x{rows}", (models.lm_step(value_and_grad), state, batch)
