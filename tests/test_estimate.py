@@ -240,6 +240,10 @@ def test_pipeline_estimate_per_stage(workload):
     assert all(t >= 0 for t in est.timings.values())
     assert est.memory_per_device == max(st.memory_per_device for st in est.stages)
     assert est.step_time_s == pytest.approx(est.compute_s + est.communication_s)
+    # The micro-batches pass through the stages, then each stage's optimizer update runs.
+    piped = (sum(st.compute_s for st in est.stages)
+             + 3 * max(st.compute_s for st in est.stages))
+    assert est.compute_s > piped
     for st in est.stages:
       assert st.memory_per_device == pytest.approx(sum(st.breakdown.values()))
       assert st.breakdown["optimizer"] > 0 and st.breakdown["params"] > 0

@@ -17,8 +17,10 @@ temporaries, as for a ShardParallel step) plus what lives beside it while it run
 
 A stage's time per micro-batch is its backward program's estimate plus its forward's
 compute (the backward's compute scaled by the forward's share of the flops). The step
-is ``Σ c + (micro-batches − 1) · max c`` (the formula the executable's objective uses);
-moving activations between sub-meshes is not counted.
+is ``Σ c + (micro-batches − 1) · max c`` (the formula the executable's objective uses)
+plus the optimizer's update after the last micro-batch (each stage's update programs,
+planned on its devices, estimated alike; the slowest stage's count); moving activations
+between sub-meshes is not counted.
 """
 
 from __future__ import annotations
@@ -95,9 +97,10 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
     estimates.append(est)
   peak = max(stages, key=lambda st: st.memory_per_device)
   slowest = max(stages, key=lambda st: st.seconds_per_micro_batch)
-  compute = sum(st.compute_s for st in stages) + (k - 1) * slowest.compute_s
+  update_compute, update_communication = _update_seconds(exe, method, calibrated)
+  compute = sum(st.compute_s for st in stages) + (k - 1) * slowest.compute_s + update_compute
   communication = (sum(st.communication_s for st in stages)
-                   + (k - 1) * slowest.communication_s)
+                   + (k - 1) * slowest.communication_s + update_communication)
   memory, breakdown = peak.memory_per_device, dict(peak.breakdown)
   v = method.virtual_stages
   if v > 1:  # interleaved: stages c, c + p, ... share group c mod p's devices
@@ -108,8 +111,10 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
     memory = max(sum(held(st) for st in g) + max(st.memory_per_device - held(st) for st in g)
                  for g in groups)
     busy = max(groups, key=lambda g: sum(st.seconds_per_micro_batch for st in g))
-    compute = k * sum(st.compute_s for st in busy) + (p - 1) * slowest.compute_s
-    communication = k * sum(st.communication_s for st in busy) + (p - 1) * slowest.communication_s
+    compute = (k * sum(st.compute_s for st in busy) + (p - 1) * slowest.compute_s
+               + update_compute)
+    communication = (k * sum(st.communication_s for st in busy)
+                     + (p - 1) * slowest.communication_s + update_communication)
     breakdown = {key: sum(st.breakdown[key] for st in busy) for key in breakdown}
   collectives: dict = {}
   for est in estimates:
@@ -146,6 +151,25 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
                   sum(e.bytes_accessed for e in estimates) * k,
                   exe.spmd_runtime or any(e.approximate for e in estimates), tuple(stages),
                   timings=timings)
+
+
+def _update_seconds(exe, method, calibrated: bool) -> tuple[float, float]:
+  """(compute, communication) seconds of the update programs after the last micro-batch:
+  each one planned on a stage's devices is estimated as a stage program is; the stages'
+  updates run side by side, so the stage whose updates take longest counts. Replicated
+  programs over all devices (scalars crossing stages, a global norm) are not counted."""
+  from jaxdist.api import Planned
+  per_stage: dict[frozenset, tuple[float, float]] = {}
+  for program in exe._applies:
+    result = program.plan
+    if result is None:
+      continue
+    planned = Planned(result.step, result.step, result.layout, result, (), {})
+    est = estimate_planned(method, planned, None, calibrated, exe._lmesh.devices)
+    devices = frozenset(d.id for d in result.layout.logical_mesh.mesh.devices.flat)
+    compute, communication = per_stage.get(devices, (0.0, 0.0))
+    per_stage[devices] = (compute + est.compute_s, communication + est.communication_s)
+  return max(per_stage.values(), key=sum, default=(0.0, 0.0))
 
 
 # What a stage keeps on its devices between its programs.

@@ -162,6 +162,7 @@ class Program:
     writes: the variables it returns.
     in_shardings, out_shardings: per read and per write.
     compiled: the compiled program.
+    plan: the shard plan of a program planned on a stage's mesh (None: replicated).
   """
 
   reads: tuple
@@ -169,6 +170,7 @@ class Program:
   in_shardings: tuple
   out_shardings: tuple
   compiled: object
+  plan: object = None
 
 
 def move(x, target: NamedSharding):
@@ -429,7 +431,7 @@ class PipelineExecutable:
         mesh, option, {read_index[v]: spec for v, spec in pins.items() if v in read_index},
         compile=self._compiling)
     return Program(reads, tuple(writes), planned.in_shardings, planned.out_shardings,
-                   planned.compiled)
+                   planned.compiled, planned.result)
 
   def _compile_programs(self):
     """Where state lives and the programs before and after the pipeline.
