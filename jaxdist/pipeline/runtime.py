@@ -836,6 +836,7 @@ class PipelineExecutable:
     # All axes per device: everything as the per-device programs lay it out. Batch axes
     # only: operands and gradients keep the plan's layout on the other axes.
     planned_grads = [g.sharding.spec for g in stage.grad_avals]
+    param_grads = stage.grad_avals
     if manual:
       stage.operand_avals = placed(stage.operand_avals, op_sh)
       stage.in_avals = placed(stage.in_avals, in_sh)
@@ -844,8 +845,10 @@ class PipelineExecutable:
     homes = [self._summed_spec(pd, spec) for spec in planned_grads]
     stage.grad_homes = [NamedSharding(mesh, spec) for spec in homes]
     stage.grad_avals = [jax.ShapeDtypeStruct(
-        (n,) + g.shape, g.dtype, sharding=NamedSharding(mesh, PartitionSpec(*row.spec, *spec)))
+        per_device.rows_shape(n, g.shape), g.dtype,
+        sharding=NamedSharding(mesh, per_device.rows_spec(row.spec[0], spec, len(g.shape))))
         for g, spec in zip(stage.grad_avals, homes)]
+    shapes = [g.shape for g in param_grads]
     n_in, n_cots = len(stage.in_avals), len(stage.cot_avals)
     stage.index_aval = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(
         mesh, PartitionSpec())) if self._indexed else None
@@ -872,7 +875,8 @@ class PipelineExecutable:
                        *[stage.in_avals[p].sharding for p in stage.float_in])).lower(
             *stage.operand_avals, *stage.in_avals, *stage.cot_avals, *stage.grad_avals,
             *index).compile()
-    stage.reduce = jax.jit(lambda *rows: [r.sum(0) for r in rows],
+    stage.reduce = jax.jit(lambda *rows: [r.reshape(n, *shape).sum(0)
+                                          for r, shape in zip(rows, shapes)],
                            out_shardings=stage.grad_homes).lower(*stage.grad_avals).compile()
 
   # ---- running ------------------------------------------------------------------------
