@@ -547,9 +547,15 @@ def _input_choices(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOpti
   choices = {}
   constraints = opt.partition_constraints or {}
   unused = set(constraints)
+  # A pattern without wildcards matches its own path only (a pipeline program pins every
+  # state leaf that way): looked up, not matched against every leaf.
+  order = {pattern: i for i, pattern in enumerate(constraints)}
+  globs = [pattern for pattern in constraints if "*" in pattern or "?" in pattern]
   for k, leaf in enumerate(step.inputs):
     specs = enumerate_specs(leaf.shape, sizes)
-    pinned = [pattern for pattern in constraints if path_matches(pattern, leaf.path)]
+    pinned = sorted([leaf.path] * (leaf.path in order and leaf.path not in globs)
+                    + [pattern for pattern in globs if path_matches(pattern, leaf.path)],
+                    key=order.get)
     unused -= set(pinned)
     if pinned:
       pspec = constraints[pinned[0]]
@@ -611,8 +617,15 @@ def pattern_help(pattern: str, paths) -> str:
 def path_matches(pattern: str, path: str) -> bool:
   """Glob match of a leaf path: ``*`` and ``?`` are wildcards, brackets are literal
   (leaf paths are full of them: ``state.params['Dense_0']['kernel']``)."""
-  regex = "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern)
-  return re.fullmatch(regex, path) is not None
+  return _glob(pattern).fullmatch(path) is not None
+
+
+@functools.lru_cache(maxsize=4096)
+def _glob(pattern: str) -> re.Pattern:
+  """The compiled regex of a leaf-path pattern (a pipeline's update programs pin every
+  state leaf by its path: leaves × pins matches per plan)."""
+  return re.compile("".join(".*" if c == "*" else "." if c == "?" else re.escape(c)
+                            for c in pattern))
 
 
 def _validated_constraint(pattern, pspec, leaf, lmesh) -> DimAxes:
