@@ -836,7 +836,7 @@ class PipelineExecutable:
     # All axes per device: everything as the per-device programs lay it out. Batch axes
     # only: operands and gradients keep the plan's layout on the other axes.
     planned_grads = [g.sharding.spec for g in stage.grad_avals]
-    param_grads = stage.grad_avals
+    shapes = [g.shape for g in stage.grad_avals]
     if manual:
       stage.operand_avals = placed(stage.operand_avals, op_sh)
       stage.in_avals = placed(stage.in_avals, in_sh)
@@ -848,7 +848,6 @@ class PipelineExecutable:
         per_device.rows_shape(n, g.shape), g.dtype,
         sharding=NamedSharding(mesh, per_device.rows_spec(row.spec[0], spec, len(g.shape))))
         for g, spec in zip(stage.grad_avals, homes)]
-    shapes = [g.shape for g in param_grads]
     n_in, n_cots = len(stage.in_avals), len(stage.cot_avals)
     stage.index_aval = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(
         mesh, PartitionSpec())) if self._indexed else None
