@@ -415,7 +415,8 @@ def _add_edge(group_costs, edge_costs, cost_model, members, nodes, flow: Flow,
               repeats: tuple[int, int], phase: int, cache: dict):
   """Adds a flow's resharding: to its group's costs when both ends share a group, else
   to the edge matrix of the two groups; records the collectives for combining.
-  ``repeats``: (α, bytes) multipliers (:meth:`StrategyGraph.repeats`). ``cache``: (source spec, target spec, bytes) → (seconds, collectives)."""
+  ``repeats``: (α, bytes) multipliers (:meth:`StrategyGraph.repeats`). ``cache``:
+  (source spec, target spec, bytes) → (seconds, collectives)."""
   src, required = nodes[flow.src], flow.required
   if all(r is None for r in required):
     return

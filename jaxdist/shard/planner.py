@@ -547,15 +547,9 @@ def _input_choices(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOpti
   choices = {}
   constraints = opt.partition_constraints or {}
   unused = set(constraints)
-  # A pattern without wildcards matches its own path only (a pipeline program pins every
-  # state leaf that way): looked up, not matched against every leaf.
-  order = {pattern: i for i, pattern in enumerate(constraints)}
-  globs = [pattern for pattern in constraints if "*" in pattern or "?" in pattern]
   for k, leaf in enumerate(step.inputs):
     specs = enumerate_specs(leaf.shape, sizes)
-    pinned = sorted([leaf.path] * (leaf.path in order and leaf.path not in globs)
-                    + [pattern for pattern in globs if path_matches(pattern, leaf.path)],
-                    key=order.get)
+    pinned = [pattern for pattern in constraints if path_matches(pattern, leaf.path)]
     unused -= set(pinned)
     if pinned:
       pspec = constraints[pinned[0]]
