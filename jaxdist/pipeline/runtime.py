@@ -60,7 +60,8 @@ from jaxdist import jaxpr_util, rng
 from jaxdist import methods as m
 from jaxdist.executable import compile_layout, place, place_inputs
 from jaxdist.mesh import LogicalMesh
-from jaxdist.pipeline import capture, layers as layers_mod, per_device, stage_shard, timeline
+from jaxdist.pipeline import (capture, layers as layers_mod, per_device, stage_shard, timeline,
+                              transfer)
 from jaxdist.pipeline.schedule import BACKWARD, FORWARD, Schedule, make_schedule
 from jaxdist.pipeline.partition import Stage, build_stages, stage_functions
 from jaxdist.plan import Plan, PlanEntry
@@ -73,6 +74,17 @@ SMALL_OUTPUT_BYTES = 1 << 20
 
 def _nbytes(aval) -> int:
   return math.prod(aval.shape) * aval.dtype.itemsize
+
+
+def _expressed(target: NamedSharding, mesh: jax.sharding.Mesh) -> NamedSharding | None:
+  """``target``'s layout on ``mesh``'s devices (axes matched by position), if both meshes
+  have one shape; else None."""
+  if target.mesh.devices.shape != mesh.devices.shape:
+    return None
+  names = dict(zip(target.mesh.axis_names, mesh.axis_names))
+  rename = lambda entry: (None if entry is None else names[entry] if isinstance(entry, str)
+                          else tuple(names[a] for a in entry))
+  return NamedSharding(mesh, PartitionSpec(*map(rename, target.spec)))
 
 
 def replicate(x: jax.Array, full: NamedSharding) -> jax.Array:
@@ -91,6 +103,8 @@ def replicate(x: jax.Array, full: NamedSharding) -> jax.Array:
     return x
   if jax.process_count() == 1:
     return place(x, full)
+  if x.sharding.device_set == full.device_set:  # one program over all of them
+    return jax.jit(transfer.identity, out_shardings=full)(x)
   mesh = x.sharding.mesh
   devices = list(full.mesh.devices.flat)
   n = mesh.devices.size
@@ -176,7 +190,8 @@ class Program:
 def move(x, target: NamedSharding):
   """``x`` in ``target``, for a value the driver produced, in every process of a job.
 
-  One process: ``place``. Several (each runs the same driver, so each calls this for
+  One process: a :class:`~jaxdist.pipeline.transfer.Transfer` (on the devices,
+  asynchronous, planned once per pair of layouts). Several (each runs the same driver, so each calls this for
   every move, in the same order):
 
   - a value replicated over *all* devices: every process has a copy, and builds its own
@@ -192,10 +207,14 @@ def move(x, target: NamedSharding):
     InvalidArgumentError: from :func:`replicate`, a sub-mesh whose size does not divide
       the device count.
   """
-  if not isinstance(x, jax.Array) or jax.process_count() == 1:
+  if not isinstance(x, jax.Array):
     return place(x, target)
   if x.sharding == target:
     return x
+  if jax.process_count() == 1:
+    if not isinstance(x.sharding, NamedSharding):
+      return place(x, target)
+    return transfer.transfer(x.shape, x.dtype, x.sharding, target)(x)
   here = set(jax.local_devices())
   src, dst = x.sharding.device_set, target.device_set
   if not (src | dst) & here:
@@ -603,13 +622,27 @@ class PipelineExecutable:
     return groups, floating
 
   def _compile_slicer(self):
+    """One program over all devices cuts every batch operand into its micro-batches,
+    each laid out so that the first stage reading it finds its shards on its own devices
+    (``transfer.covering``; replicated where its sub-mesh is no block of all devices, and
+    across processes, where :func:`move` takes replicated values apart locally)."""
     k = self._k
     jaxpr = self._step.closed_jaxpr.jaxpr
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=self._full)
-             for v, b in zip(jaxpr.eqns[self._index].invars, self._batch_operand) if b]
+    operands = [p for p, b in enumerate(self._batch_operand) if b]
+    invars = jaxpr.eqns[self._index].invars
+    avals = [jax.ShapeDtypeStruct(invars[p].aval.shape, invars[p].aval.dtype,
+                                  sharding=self._full) for p in operands]
+    devices = list(self._full.mesh.devices.flat)
+    outs = []
+    for p in operands:
+      readers = [a.sharding for st in self.stages for q, a in zip(st.operands, st.operand_avals)
+                 if q == p]
+      cover = (transfer.covering(devices, readers[0])
+               if readers and jax.process_count() == 1 else None)
+      outs.append([self._full if cover is None else cover[0]] * k)
     split = lambda xs: [[x.reshape((k, x.shape[0] // k) + x.shape[1:])[i] for i in range(k)]
                         for x in xs]
-    self._slicer = jax.jit(split, out_shardings=self._full).lower(avals).compile()
+    self._slicer = jax.jit(split, out_shardings=outs).lower(avals).compile()
 
   @staticmethod
   def _own_bits(loss_jaxpr, stage: Stage) -> str:
@@ -718,36 +751,75 @@ class PipelineExecutable:
     """Plans and compiles every stage's programs: the backward (which holds all of the
     stage's equations) searched over the sub-mesh's shapes, then the forward with its
     operands pinned to the backward's choice. A stage whose plan is data parallel runs
-    per device instead, with one gradient reduction per step (``per_device.py``)."""
+    per device instead, with one gradient reduction per step (``per_device.py``).
+
+    Every stage is laid out first, then compiled: a program returns each activation in
+    the layout of the first stage reading it, and each activation's cotangent in the
+    layout its producer's backward takes, wherever that layout fits its own mesh, so
+    that moving it to the other sub-mesh is one copy (``transfer.py``)."""
     self._cot_shardings = {}  # a float activation: where its producer's backward takes its cotangent
+    builds = [self._lay_out_stage(stage, option) for stage in self.stages]
+    reader = {}
     for stage in self.stages:
-      bwd_step, fwd_step = self._program_steps(stage)
-      bwd = self._plan_backward(stage, option, bwd_step)
-      n_ops, n_in = len(stage.operands), len(stage.acts_in)
-      per_device = self._per_device(stage)
-      if isinstance(per_device, str):
-        stage.note = (f"gradients reduced in every micro-batch: {per_device}"
-                      + self._own_bits(self._loss.closed.jaxpr, stage))
-        fwd = stage_shard.plan_program(fwd_step, bwd.lmesh, option,
-                                       dict(enumerate(bwd.result.layout.in_specs[:n_ops + n_in])))
-        stage.out_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
-                           for a, sh in zip(fwd_step.out_avals, fwd.out_shardings)]
-        stage.forward = fwd.compiled
-        stage.backward = compile_layout(bwd.result.step, bwd.result.layout)
-        stage.objectives = (fwd.result.objective, bwd.result.objective)
-      else:
-        stage.note = ("data parallel per device, gradients reduced once per step"
-                      if not per_device.axes else
-                      f"per shard of the batch over {per_device.axes}, the other axes as "
-                      f"planned; gradients reduced once per step")
-        self._compile_per_device(stage, per_device, fwd_step)
-        stage.objectives = (None, bwd.result.objective)
+      for v, a in zip(stage.acts_in, stage.in_avals):
+        reader.setdefault(v, a.sharding)
+    for stage, build in zip(self.stages, builds):
+      mesh = stage.mesh.mesh
+      outs = {p: _expressed(reader[v], mesh) for p, v in enumerate(stage.acts_out) if v in reader}
+      cots = {p: _expressed(self._cot_shardings[stage.acts_in[p]], mesh)
+              for p in stage.float_in if stage.acts_in[p] in self._cot_shardings}
+      build({p: sh for p, sh in outs.items() if sh is not None},
+            {p: sh for p, sh in cots.items() if sh is not None})
       stage.grad_homes = stage.grad_homes or [g.sharding for g in stage.grad_avals]
       stage.zeros = jax.jit(
           lambda grads=stage.grad_avals: [jnp.zeros(g.shape, g.dtype) for g in grads],
           out_shardings=[g.sharding for g in stage.grad_avals]).lower().compile()
-      self._cot_shardings.update((stage.acts_out[p], a.sharding)
-                                 for p, a in zip(stage.float_out, stage.cot_avals))
+
+  def _lay_out_stage(self, stage: Stage, option: m.AutoShardingOption):
+    """Plans the stage and sets its programs' avals; returns ``build(outs, cots)``, which
+    compiles its forward and backward with activation ``p`` out in ``outs[p]`` and the
+    cotangent of activation in ``p`` in ``cots[p]`` (shardings on the stage's mesh)."""
+    bwd_step, fwd_step = self._program_steps(stage)
+    bwd = self._plan_backward(stage, option, bwd_step)
+    n_ops, n_in = len(stage.operands), len(stage.acts_in)
+    per_device = self._per_device(stage)
+    if isinstance(per_device, str):
+      stage.note = (f"gradients reduced in every micro-batch: {per_device}"
+                    + self._own_bits(self._loss.closed.jaxpr, stage))
+      fwd = stage_shard.plan_program(fwd_step, bwd.lmesh, option,
+                                     dict(enumerate(bwd.result.layout.in_specs[:n_ops + n_in])),
+                                     compile=False)
+      stage.out_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
+                         for a, sh in zip(fwd_step.out_avals, fwd.out_shardings)]
+      stage.objectives = (fwd.result.objective, bwd.result.objective)
+      build = functools.partial(self._compile_planned, stage, fwd.result, bwd.result)
+    else:
+      stage.note = ("data parallel per device, gradients reduced once per step"
+                    if not per_device.axes else
+                    f"per shard of the batch over {per_device.axes}, the other axes as "
+                    f"planned; gradients reduced once per step")
+      build = self._lay_out_per_device(stage, per_device, fwd_step)
+      stage.objectives = (None, bwd.result.objective)
+    self._cot_shardings.update((stage.acts_out[p], a.sharding)
+                               for p, a in zip(stage.float_out, stage.cot_avals))
+    return build
+
+  @staticmethod
+  def _compile_planned(stage: Stage, fwd, bwd, outs: dict, cots: dict):
+    """Compiles a ShardParallel-planned stage's programs (see :meth:`_lay_out_stage`)."""
+    specs = list(fwd.layout.out_specs)
+    for p, sh in outs.items():
+      specs[p] = sh.spec
+    stage.out_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=outs.get(p, a.sharding))
+                       for p, a in enumerate(stage.out_avals)]
+    stage.forward = compile_layout(fwd.step, dataclasses.replace(fwd.layout,
+                                                                 out_specs=tuple(specs)))
+    specs = list(bwd.layout.out_specs)
+    for k, p in enumerate(stage.float_in):
+      if p in cots:
+        specs[len(stage.diff) + k] = cots[p].spec
+    stage.backward = compile_layout(bwd.step, dataclasses.replace(bwd.layout,
+                                                                  out_specs=tuple(specs)))
 
   def _plan_backward(self, stage: Stage, option: m.AutoShardingOption, bwd_step=None):
     """Plans the stage's backward program (nothing compiles); sets the stage's mesh to the
@@ -825,7 +897,9 @@ class PipelineExecutable:
     split the batch (all of them for a per-device stage), as planned on the others."""
     return per_device.without_axes(planned, pd.axes) if pd.axes else PartitionSpec()
 
-  def _compile_per_device(self, stage: Stage, pd, fwd_step):
+  def _lay_out_per_device(self, stage: Stage, pd, fwd_step):
+    """Sets a per-device stage's avals; returns its ``build(outs, cots)`` (see
+    :meth:`_lay_out_stage`)."""
     forward, backward, op_sh, in_sh, out_sh, row = per_device.programs(
         pd, stage.mesh.mesh, self._frozen, self._indexed, stage.backward_plan)
     n, n_ops, num_diff = pd.num_shards, len(stage.operands), len(stage.diff)
@@ -865,18 +939,23 @@ class PipelineExecutable:
                             list(rest[n_in + n_cots + num_diff:]))
       return (*sums, *cots)
 
-    stage.forward = jax.jit(flat_forward, out_shardings=out_sh).lower(
-        *stage.operand_avals, *stage.in_avals, *index).compile()
-    accumulator = tuple(range(n_ops + n_in + n_cots, n_ops + n_in + n_cots + num_diff))
-    stage.backward = jax.jit(
-        flat_backward, donate_argnums=accumulator,
-        out_shardings=(*[g.sharding for g in stage.grad_avals],
-                       *[stage.in_avals[p].sharding for p in stage.float_in])).lower(
-            *stage.operand_avals, *stage.in_avals, *stage.cot_avals, *stage.grad_avals,
-            *index).compile()
-    stage.reduce = jax.jit(lambda *rows: [r.reshape(n, *shape).sum(0)
-                                          for r, shape in zip(rows, shapes)],
-                           out_shardings=stage.grad_homes).lower(*stage.grad_avals).compile()
+    def build(outs: dict, cots: dict):
+      forward_out = [outs.get(p, sh) for p, sh in enumerate(out_sh)]
+      stage.out_avals = placed(stage.out_avals, forward_out)
+      stage.forward = jax.jit(flat_forward, out_shardings=forward_out).lower(
+          *stage.operand_avals, *stage.in_avals, *index).compile()
+      accumulator = tuple(range(n_ops + n_in + n_cots, n_ops + n_in + n_cots + num_diff))
+      stage.backward = jax.jit(
+          flat_backward, donate_argnums=accumulator,
+          out_shardings=(*[g.sharding for g in stage.grad_avals],
+                         *[cots.get(p, stage.in_avals[p].sharding) for p in stage.float_in])
+      ).lower(*stage.operand_avals, *stage.in_avals, *stage.cot_avals, *stage.grad_avals,
+              *index).compile()
+      stage.reduce = jax.jit(lambda *rows: [r.reshape(n, *shape).sum(0)
+                                            for r, shape in zip(rows, shapes)],
+                             out_shardings=stage.grad_homes).lower(*stage.grad_avals).compile()
+
+    return build
 
   # ---- running ------------------------------------------------------------------------
 

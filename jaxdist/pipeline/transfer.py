@@ -1,0 +1,146 @@
+"""Moving a value between two layouts on one process, kept on the devices.
+
+``jax.device_put`` copies a value to another sub-mesh in one call when the two layouts
+give each position of their device lists the same slice (``[a, b] → [c, d]``, both split
+alike). Any other pair (a stage planned split on features feeding one split on the
+batch, a micro-batch replicated on all devices going to a sub-mesh that splits it) takes
+its fallback: the value is fetched to the host and split there, which also blocks the
+driver until the producing program has finished. A :class:`Transfer` instead plans, once
+per pair of layouts, a chain that stays on the devices and asynchronous:
+
+- ``copy``: the layouts match position by position, one ``device_put``;
+- as many devices on both sides: a compiled reshard on the source's devices into the
+  target's layout, then ``copy``;
+- the target's devices a block of the source's: a compiled reshard on the source into a
+  *covering* layout (:func:`covering`), in which the target's devices already hold
+  their shards, then the target array is assembled from those buffers (no copy);
+- otherwise: replicated on the source, copied to every target device, cut there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+
+def _devices(sharding: NamedSharding) -> list:
+  return list(sharding.mesh.devices.flat)
+
+
+def _same_slices(src: NamedSharding, dst: NamedSharding, shape) -> bool:
+  """Whether position i of ``src``'s devices holds the slice that position i of
+  ``dst``'s holds, for every i."""
+  a, b = src.devices_indices_map(shape), dst.devices_indices_map(shape)
+  da, db = _devices(src), _devices(dst)
+  return len(da) == len(db) and all(a[x] == b[y] for x, y in zip(da, db))
+
+
+def _on(devices: list, like: NamedSharding, spec=None) -> NamedSharding:
+  """``like``'s mesh shape, axis names and ``spec`` (default: its own) on ``devices``."""
+  mesh = like.mesh
+  grid = np.array(devices, dtype=object).reshape(mesh.devices.shape)
+  return NamedSharding(Mesh(grid, mesh.axis_names, axis_types=mesh.axis_types),
+                       like.spec if spec is None else spec)
+
+
+def covering(devices: list, dst: NamedSharding) -> tuple[NamedSharding, int] | None:
+  """A layout over ``devices`` under which ``dst``'s devices hold exactly ``dst``'s
+  shards, with the position of ``dst``'s first device in ``devices``; None unless
+  ``dst``'s device list is one of the equal blocks ``devices`` splits into.
+
+  ``devices`` is read as ``(blocks, *dst's mesh shape)`` and the value laid out as
+  ``dst`` says within each block (replicated across blocks)."""
+  want = _devices(dst)
+  n = len(want)
+  if len(devices) % n:
+    return None
+  starts = [j for j in range(0, len(devices), n) if devices[j:j + n] == want]
+  if not starts:
+    return None
+  mesh = dst.mesh
+  grid = np.array(devices, dtype=object).reshape((len(devices) // n,) + mesh.devices.shape)
+  name = "_block"
+  while name in mesh.axis_names:
+    name += "_"
+  blocks = Mesh(grid, (name,) + tuple(mesh.axis_names),
+                axis_types=(jax.sharding.AxisType.Auto,) + tuple(mesh.axis_types))
+  return NamedSharding(blocks, dst.spec), starts[0]
+
+
+def identity(x):
+  return x
+
+
+def _reshard(aval_shape, dtype, src: NamedSharding, dst: NamedSharding):
+  """A compiled identity from ``src`` to ``dst`` (the same devices)."""
+  arg = jax.ShapeDtypeStruct(aval_shape, dtype, sharding=src)
+  return jax.jit(identity, out_shardings=dst).lower(arg).compile()
+
+
+class Transfer:
+  """Moves arrays of one shape and dtype from layout ``src`` to ``dst`` (see the module
+  docstring); ``kind`` names the chain: ``copy``, ``reshard+copy``, ``assemble``,
+  ``reshard+assemble`` or ``replicate+copy+reshard``."""
+
+  def __init__(self, shape, dtype, src: NamedSharding, dst: NamedSharding):
+    self.dst = dst
+    self.steps = []
+    if _same_slices(src, dst, shape):
+      self.kind = "copy"
+      self.steps.append(self._copy)
+      return
+    source = _devices(src)
+    if len(source) == len(_devices(dst)):
+      staged = _on(source, dst)
+      self.kind = "reshard+copy"
+      self.steps += [_reshard(shape, dtype, src, staged), self._copy]
+      return
+    cover = covering(source, dst)
+    if cover is not None and dst.is_fully_replicated:  # device_put reuses or copies shards
+      self.kind = "copy"
+      if not src.is_fully_replicated:
+        self.kind = "reshard+copy"
+        self.steps.append(_reshard(shape, dtype, src, NamedSharding(src.mesh, PartitionSpec())))
+      self.steps.append(self._copy)
+      return
+    if cover is not None:
+      layout, self._start = cover
+      self.kind = "assemble"
+      if not _same_slices(src, layout, shape):
+        self.kind = "reshard+assemble"
+        self.steps.append(_reshard(shape, dtype, src, layout))
+      self.steps.append(self._assemble)
+      return
+    self.kind = "replicate+copy+reshard"
+    here = NamedSharding(src.mesh, PartitionSpec())
+    there = NamedSharding(dst.mesh, PartitionSpec())
+    if not src.is_fully_replicated:
+      self.steps.append(_reshard(shape, dtype, src, here))
+    self.steps.append(lambda x: jax.device_put(x, there))
+    if not dst.is_fully_replicated:
+      self.steps.append(_reshard(shape, dtype, there, dst))
+
+  def _copy(self, x):
+    return jax.device_put(x, self.dst)
+
+  def _assemble(self, x):
+    # (x is not fully replicated: addressable_data(i) is the shard of device i)
+    n = self.dst.num_devices
+    return jax.make_array_from_single_device_arrays(
+        x.shape, self.dst, [x.addressable_data(i) for i in range(self._start, self._start + n)],
+        dtype=x.dtype)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    for step in self.steps:
+      x = step(x)
+    return x
+
+
+@functools.lru_cache(maxsize=4096)
+def transfer(shape, dtype, src: NamedSharding, dst: NamedSharding) -> Transfer:
+  """The :class:`Transfer` for arrays of ``shape``/``dtype`` from ``src`` to ``dst``,
+  planned (and its reshard programs compiled) on first use."""
+  return Transfer(shape, dtype, src, dst)
