@@ -24,7 +24,8 @@ all-reduce the gradients in every micro-batch's backward.
 
 The driver walks the schedule's instructions in clock order and issues each program
 through JAX's asynchronous dispatch, moving activations and cotangents between
-sub-meshes with ``jax.device_put``.
+sub-meshes on the devices (``transfer.py``; the stage programs return them in the layout
+their reader takes, so each move is one copy).
 
 The loss and gradients are means over micro-batches (as with gradient accumulation:
 the full-batch result for a loss that is a mean over examples); integer aux leaves are
@@ -191,8 +192,8 @@ def move(x, target: NamedSharding):
   """``x`` in ``target``, for a value the driver produced, in every process of a job.
 
   One process: a :class:`~jaxdist.pipeline.transfer.Transfer` (on the devices,
-  asynchronous, planned once per pair of layouts). Several (each runs the same driver, so each calls this for
-  every move, in the same order):
+  asynchronous, planned once per pair of layouts). Several (each runs the same driver,
+  so each calls this for every move, in the same order):
 
   - a value replicated over *all* devices: every process has a copy, and builds its own
     shards of ``target`` from it (no transfer);
@@ -251,8 +252,10 @@ class PipelineExecutable:
       inputs it held at once, "dispatched": stage programs issued, "dispatch_s": host
       seconds the driver took to issue them, "call_s": the part of it spent inside the
       stage programs' calls (the runtime's dispatch, plus the compute of programs it
-      runs synchronously), "move_s": the part spent issuing moves between sub-meshes}``;
-      the rest, ``dispatch_s - call_s - move_s``, is the driver's own Python. With
+      runs synchronously), "move_s": the part spent issuing moves between sub-meshes,
+      "dispatch_cpu_s": the CPU time of the driver's thread over the same span (what the
+      host spends: XLA runs the programs on threads of its own)}``; the rest of
+      ``dispatch_s``, ``dispatch_s - call_s - move_s``, is the driver's own Python. With
       ``record_timeline = True``, also ``"timeline"``: every forward and backward program's
       :class:`~jaxdist.pipeline.timeline.Span` (see that module).
     input_shardings, output_shardings: pytrees of ``NamedSharding``.
@@ -996,15 +999,19 @@ class PipelineExecutable:
       reads, weigher = self._weigher
       shares = weigher([[micro[p][b] if self._batch_operand[p] else move(operands[p], self._full)
                          for p in reads] for b in range(k)])
-    stage_ops = {}
+    stage_ops, fixed = {}, {}
 
     def ops_for(s, b):
-      key = (s, b if any(self._batch_operand[p] for p in self.stages[s].operands) else None)
-      if key not in stage_ops:
+      """Stage ``s``'s operands for micro-batch ``b``; those that are no micro-batch
+      slices placed once per step."""
+      if (s, b) not in stage_ops:
         st = self.stages[s]
-        stage_ops[key] = [move(micro[p][b] if self._batch_operand[p] else operands[p], a.sharding)
-                          for p, a in zip(st.operands, st.operand_avals)]
-      return stage_ops[key]
+        if s not in fixed:
+          fixed[s] = [None if self._batch_operand[p] else move(operands[p], a.sharding)
+                      for p, a in zip(st.operands, st.operand_avals)]
+        stage_ops[s, b] = [move(micro[p][b], a.sharding) if x is None else x
+                           for p, a, x in zip(st.operands, st.operand_avals, fixed[s])]
+      return stage_ops[s, b]
 
     acts, saved, cots, accumulated = {}, {}, {}, {}
     outputs = {}
@@ -1017,7 +1024,7 @@ class PipelineExecutable:
     groups = self.schedule.num_stages // self.schedule.virtual_stages
     recorder = timeline.Recorder(groups) if self.record_timeline else None
     last_backward = {}  # stage -> the recorder's index of its latest backward
-    start = clock()
+    start, start_cpu = clock(), time.thread_time()
     for ins in self.schedule.instructions:
       s, b, st = ins.stage, ins.micro_batch, self.stages[ins.stage]
       if ins.kind == FORWARD:
@@ -1069,7 +1076,8 @@ class PipelineExecutable:
         in_flight[s] -= 1
       dispatched += ins.kind in (FORWARD, BACKWARD)
     self.stats = {"max_in_flight": peak, "dispatched": dispatched,
-                  "dispatch_s": clock() - start, "call_s": call_s, "move_s": move_s}
+                  "dispatch_s": clock() - start, "call_s": call_s, "move_s": move_s,
+                  "dispatch_cpu_s": time.thread_time() - start_cpu}
     if recorder is not None:
       self.stats["timeline"] = recorder.spans(len(self.stages))
     # A gradient stays on the stage that reads its operand; if several stages read it,
