@@ -38,12 +38,11 @@ def _same_slices(src: NamedSharding, dst: NamedSharding, shape) -> bool:
   return len(da) == len(db) and all(a[x] == b[y] for x, y in zip(da, db))
 
 
-def _on(devices: list, like: NamedSharding, spec=None) -> NamedSharding:
-  """``like``'s mesh shape, axis names and ``spec`` (default: its own) on ``devices``."""
+def _on(devices: list, like: NamedSharding) -> NamedSharding:
+  """``like``'s mesh shape, axis names and spec on ``devices``."""
   mesh = like.mesh
   grid = np.array(devices, dtype=object).reshape(mesh.devices.shape)
-  return NamedSharding(Mesh(grid, mesh.axis_names, axis_types=mesh.axis_types),
-                       like.spec if spec is None else spec)
+  return NamedSharding(Mesh(grid, mesh.axis_names, axis_types=mesh.axis_types), like.spec)
 
 
 def covering(devices: list, dst: NamedSharding) -> tuple[NamedSharding, int] | None:
