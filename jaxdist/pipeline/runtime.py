@@ -91,10 +91,10 @@ def _expressed(target: NamedSharding, mesh: jax.sharding.Mesh) -> NamedSharding 
 def replicate(x: jax.Array, full: NamedSharding) -> jax.Array:
   """``x`` (a value on a sub-mesh of ``full``'s devices) replicated over all of them.
 
-  One process: ``device_put``. Several: ``x`` is first replicated on its own sub-mesh,
-  then copied to every other run of as many devices in ``full``'s order (each copy a
-  :func:`move`, cross-process where it must be), and the copies' local shards are
-  assembled into one global array.
+  One process: :func:`move` (on the devices). Several: ``x`` is first replicated on its
+  own sub-mesh, then copied to every other run of as many devices in ``full``'s order
+  (each copy a :func:`move`, cross-process where it must be), and the copies' local
+  shards are assembled into one global array.
 
   Raises:
     InvalidArgumentError: in a multi-process job, a sub-mesh whose size does not divide
@@ -103,7 +103,7 @@ def replicate(x: jax.Array, full: NamedSharding) -> jax.Array:
   if x.sharding.is_equivalent_to(full, x.ndim):
     return x
   if jax.process_count() == 1:
-    return place(x, full)
+    return move(x, full)
   if x.sharding.device_set == full.device_set:  # one program over all of them
     return jax.jit(transfer.identity, out_shardings=full)(x)
   mesh = x.sharding.mesh
