@@ -136,17 +136,7 @@ class Executable:
     that mixes examples (BatchNorm) runs under them as one program that the shard planner
     places with their input layouts pinned, and is predicted as a ShardParallel plan is.
     """
-    predicted = self.plan.predicted_collectives
-    compiled = self.communication()
-    lines = []
-    for kind in sorted(set(predicted) | set(compiled)):
-      p = predicted.get(kind, {"count": 0, "result_bytes": 0.0})
-      c = compiled.get(kind, hlo_inspect.CollectiveStats())
-      differs = (_apart(p["result_bytes"], c.result_bytes, tolerance)
-                 or _apart(p["count"], c.count, tolerance))
-      lines.append(f"{kind}: predicted {p['count']} x, {p['result_bytes']:.0f} B; compiled "
-                   f"{c.count} x, {c.result_bytes} B{'  DIFFERS' if differs else ''}")
-    return lines
+    return compare_collectives(self.plan.predicted_collectives, self.communication(), tolerance)
 
   def communication(self) -> dict[str, hlo_inspect.CollectiveStats]:
     """Collectives per step, loop-aware: kind → count, result bytes and wire bytes."""
@@ -160,6 +150,21 @@ def allocation_bytes(compiled) -> int:
   m = compiled.memory_analysis()
   return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
              + m.temp_size_in_bytes)
+
+
+def compare_collectives(predicted: dict, compiled: dict, tolerance: float) -> list[str]:
+  """One line per kind: predicted (kind → {"count", "result_bytes"}) and compiled
+  (kind → ``CollectiveStats``) count and bytes, marked ``DIFFERS`` where either is more
+  than ``tolerance`` apart (relative to the larger) or one side has none."""
+  lines = []
+  for kind in sorted(set(predicted) | set(compiled)):
+    p = predicted.get(kind, {"count": 0, "result_bytes": 0.0})
+    c = compiled.get(kind, hlo_inspect.CollectiveStats())
+    differs = (_apart(p["result_bytes"], c.result_bytes, tolerance)
+               or _apart(p["count"], c.count, tolerance))
+    lines.append(f"{kind}: predicted {p['count']} x, {p['result_bytes']:.0f} B; compiled "
+                 f"{c.count} x, {c.result_bytes} B{'  DIFFERS' if differs else ''}")
+  return lines
 
 
 def _apart(a: float, b: float, tolerance: float) -> bool:

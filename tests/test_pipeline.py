@@ -291,12 +291,32 @@ def test_gpt_stages_reduce_gradients_once_per_step():
             make(), batch)
     assert all(st.reduce is not None for st in exe.stages), exe.plan.notes
     wire[k] = sum(c.wire_bytes for c in exe.communication().values())
+    # Predicted over the driver's programs: each micro-batch's loss all-reduce, one
+    # gradient sum per stage and step.
+    lines = exe.check_communication()
+    assert lines and not [line for line in lines if "DIFFERS" in line], lines
+    assert exe.plan.predicted_collectives["all-reduce"]["count"] == k + 2, lines
   params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(make().params))
   assert wire[4] <= 1.1 * wire[1], wire
   assert wire[1] >= params, (wire, params)  # the gradients are reduced, once
-  # The driver's programs have no combined prediction yet: said so, not an AttributeError.
+
+
+def test_pipeline_predictions_count_what_stages_hand_over():
+  """Four MLP stages, three run per device and the last as planned: the driver's
+  prediction adds each stage program's plan, the per-device sums and the reshards that
+  return activations and cotangents in their readers' layouts (a per-device output
+  gathered for the planned stage, its cotangent sent back split)."""
+  data = models.regression_batch(8, 64)
+  state = models.create_state(models.MLP(hidden=64, num_layers=4), data["x"],
+                              tx=optax.adam(1e-3))
+  exe = jd.parallelize(models.regression_step(jd.value_and_grad), method=jd.PipeshardParallel(
+      num_micro_batches=2, layer_option=jd.AutoLayerOption(layer_num=4),
+      stage_option=jd.UniformStageOption(num_stages=4))).get_executable(state, data)
+  assert [st.per_device is not None for st in exe.stages] == [True, True, True, False]
+  assert exe.stages[2].handover and exe.stages[3].handover
   lines = exe.check_communication()
-  assert lines and all(line.endswith("(not predicted: MPMD pipeline)") for line in lines), lines
+  assert not [line for line in lines if "DIFFERS" in line], lines
+  assert {line.split(":")[0] for line in lines} == {"all-gather", "all-reduce", "all-to-all"}
 
 
 def test_model_parallel_stages_reduce_gradients_once_per_step():
@@ -325,6 +345,10 @@ def test_model_parallel_stages_reduce_gradients_once_per_step():
   assert rows.shape == (2 * shape[0], shape[1]), rows
   assert rows.sharding.spec == P("mesh_0", "mesh_1"), rows
   assert first.reduce is not None
+  # XLA partitions each shard's program over the other axes: not predicted, and said why.
+  assert any("collectives not predicted: stage 0 runs per shard" in n for n in exe.plan.notes)
+  assert all("not predicted: stage 0 runs per shard" in line
+             for line in exe.check_communication())
   p1, n1 = exe(make(), batch)
   assert_trees_close((to_host((p1, n1)), to_host(exe(p1, batch))), _serial_twice(),
                      rtol=1e-5, atol=1e-6)

@@ -53,6 +53,13 @@ class Stage:
     float_in, float_out: positions of float activations in and out (those with
       cotangents).
     backward_plan: the shard planner's result for the backward program (set when planned).
+    forward_plan: the shard planner's result for the forward program, where the stage runs
+      as planned (not per device); else None.
+    per_device: its ``per_device.PerDeviceStage`` where it runs per device (or per shard
+      of the batch); else None.
+    handover: where it runs as planned, the collectives its two programs add per
+      micro-batch to what their plans predict, to return activations and cotangents in
+      the layouts their readers take (kind → {"count", "result_bytes"}).
     draws: its ``random_bits`` equations (dropout masks) that draw part of the whole
       batch's bits (``rng.partial_draws``): equation → (dimension, whole-batch shape).
     index_aval: where its programs take the micro-batch index as their last operand (the
@@ -82,6 +89,9 @@ class Stage:
   float_in: list = dataclasses.field(default_factory=list)
   float_out: list = dataclasses.field(default_factory=list)
   backward_plan: object = None
+  forward_plan: object = None
+  per_device: object = None
+  handover: dict = dataclasses.field(default_factory=dict)
   draws: dict = dataclasses.field(default_factory=dict)
   index_aval: object = None
 

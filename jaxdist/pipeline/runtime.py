@@ -59,13 +59,14 @@ from jaxdist import coupling, errors
 from jaxdist import inspect as hlo_inspect
 from jaxdist import jaxpr_util, rng
 from jaxdist import methods as m
-from jaxdist.executable import compile_layout, place, place_inputs
+from jaxdist.executable import compare_collectives, compile_layout, place, place_inputs
 from jaxdist.mesh import LogicalMesh
-from jaxdist.pipeline import (capture, layers as layers_mod, per_device, stage_shard, timeline,
-                              transfer)
+from jaxdist.pipeline import (capture, layers as layers_mod, per_device, predict, stage_shard,
+                              timeline, transfer)
 from jaxdist.pipeline.schedule import BACKWARD, FORWARD, Schedule, make_schedule
 from jaxdist.pipeline.partition import Stage, build_stages, stage_functions
 from jaxdist.plan import Plan, PlanEntry
+from jaxdist.shard.cost import CostModel, combining_for
 from jaxdist.shard.specs import from_partition_spec, used_axes
 from jaxdist.trace import BATCH, INPUT, OPTIMIZER, PARAM, TracedStep
 
@@ -75,6 +76,20 @@ SMALL_OUTPUT_BYTES = 1 << 20
 
 def _nbytes(aval) -> int:
   return math.prod(aval.shape) * aval.dtype.itemsize
+
+
+def _hand_over(stage: Stage, moves):
+  """Sets ``stage.handover``: the collectives of its programs' ``moves`` (planned spec,
+  the sharding its reader takes, aval) per micro-batch, as XLA reshards them."""
+  cost = CostModel(stage.mesh)
+  stage.handover = {}
+  for planned, sharding, aval in moves:
+    rank = len(aval.shape)
+    src, dst = from_partition_spec(planned, rank), from_partition_spec(sharding.spec, rank)
+    for kind, _, nbytes in cost.reshard_collectives(src, dst, _nbytes(aval)):
+      entry = stage.handover.setdefault(kind, {"count": 0, "result_bytes": 0.0})
+      entry["count"] += 1
+      entry["result_bytes"] += nbytes
 
 
 def _expressed(target: NamedSharding, mesh: jax.sharding.Mesh) -> NamedSharding | None:
@@ -358,6 +373,8 @@ class PipelineExecutable:
     self._weigher = self._compile_weigher()
     self.stats: dict = {}
     self.record_timeline = False
+    collectives, self._unpredicted = predict.pipeline_collectives(
+        self.stages, self._applies, k, combining_for(lmesh.devices[0].platform))
     self.plan = Plan(
         method=method.name, mesh_shape=lmesh.shape, axis_names=lmesh.axis_names,
         inputs=tuple(PlanEntry(leaf.path, leaf.shape, str(leaf.dtype), leaf.role, home.spec)
@@ -375,7 +392,9 @@ class PipelineExecutable:
                       else "")]),
                *([] if predicted is None else [
                    f"auto stages: predicted {[f'{c:.3g}' for c in predicted.stage_costs]} s per "
-                   f"micro-batch, {predicted.step_time:.3g} s per step"])))
+                   f"micro-batch, {predicted.step_time:.3g} s per step"]),
+               *(f"collectives not predicted: {why}" for why in self._unpredicted)),
+        predicted_collectives=collectives)
     costs = [sum(c for c in st.objectives if c is not None) for st in self.stages]
     self.auto_sharding_objective = sum(costs) + (k - 1) * max(costs)
     # In a multi-process job the small results that are not state (the loss, metrics,
@@ -795,6 +814,7 @@ class PipelineExecutable:
       stage.out_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
                          for a, sh in zip(fwd_step.out_avals, fwd.out_shardings)]
       stage.objectives = (fwd.result.objective, bwd.result.objective)
+      stage.forward_plan = fwd.result
       build = functools.partial(self._compile_planned, stage, fwd.result, bwd.result)
     else:
       stage.note = ("data parallel per device, gradients reduced once per step"
@@ -802,6 +822,7 @@ class PipelineExecutable:
                     f"per shard of the batch over {per_device.axes}, the other axes as "
                     f"planned; gradients reduced once per step")
       build = self._lay_out_per_device(stage, per_device, fwd_step)
+      stage.per_device = per_device
       stage.objectives = (None, bwd.result.objective)
     self._cot_shardings.update((stage.acts_out[p], a.sharding)
                                for p, a in zip(stage.float_out, stage.cot_avals))
@@ -811,6 +832,9 @@ class PipelineExecutable:
   def _compile_planned(stage: Stage, fwd, bwd, outs: dict, cots: dict):
     """Compiles a ShardParallel-planned stage's programs (see :meth:`_lay_out_stage`)."""
     specs = list(fwd.layout.out_specs)
+    _hand_over(stage, [(specs[p], sh, stage.out_avals[p]) for p, sh in outs.items()]
+               + [(bwd.layout.out_specs[len(stage.diff) + k], cots[p], stage.in_avals[p])
+                  for k, p in enumerate(stage.float_in) if p in cots])
     for p, sh in outs.items():
       specs[p] = sh.spec
     stage.out_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=outs.get(p, a.sharding))
@@ -943,6 +967,9 @@ class PipelineExecutable:
       return (*sums, *cots)
 
     def build(outs: dict, cots: dict):
+      _hand_over(stage, [(out_sh[p].spec, sh, stage.out_avals[p]) for p, sh in outs.items()]
+                 + [(stage.in_avals[p].sharding.spec, sh, stage.in_avals[p])
+                    for p, sh in cots.items()])
       forward_out = [outs.get(p, sh) for p, sh in enumerate(out_sh)]
       stage.out_avals = placed(stage.out_avals, forward_out)
       stage.forward = jax.jit(flat_forward, out_shardings=forward_out).lower(
@@ -1232,12 +1259,15 @@ class PipelineExecutable:
         if leaf.role == OPTIMIZER and home.device_set == devices))
 
   def check_communication(self, tolerance: float = 0.10) -> list[str]:
-    """The compiled collectives per step, one line per kind, each marked as not
-    predicted: the stage plans predict their own programs' collectives, but nothing adds
-    them up over the driver's programs (forward, backward, per-device sums, updates)
-    and micro-batches yet, so there is nothing to compare with."""
-    del tolerance
-    return hlo_inspect.unpredicted(self.communication(), "MPMD pipeline")
+    """Compares the plan's predicted collectives per step (the stage plans' predictions
+    added up over the driver's programs and micro-batches, ``pipeline/predict.py``) with
+    what XLA compiled, one line per kind as ``Executable.check_communication`` gives them.
+    Where a stage is not predicted, the compiled collectives are listed as not predicted,
+    with the reason."""
+    if self._unpredicted:
+      return hlo_inspect.unpredicted(self.communication(), "; ".join(self._unpredicted))
+    return compare_collectives(self.plan.predicted_collectives, self.communication(),
+                               tolerance)
 
   def communication(self) -> dict[str, hlo_inspect.CollectiveStats]:
     """Collectives inside the programs for one step (stage programs × micro-batches);
