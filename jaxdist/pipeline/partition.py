@@ -57,9 +57,9 @@ class Stage:
       as planned (not per device); else None.
     per_device: its ``per_device.PerDeviceStage`` where it runs per device (or per shard
       of the batch); else None.
-    handover: where it runs as planned, the collectives its two programs add per
-      micro-batch to what their plans predict, to return activations and cotangents in
-      the layouts their readers take (kind → {"count", "result_bytes"}).
+    handover: the collectives its two programs add per micro-batch to return activations
+      and cotangents in the layouts their readers take (kind → {"count",
+      "result_bytes"}; set when compiled).
     draws: its ``random_bits`` equations (dropout masks) that draw part of the whole
       batch's bits (``rng.partial_draws``): equation → (dimension, whole-batch shape).
     index_aval: where its programs take the micro-batch index as their last operand (the
