@@ -685,3 +685,20 @@ def test_automatic_layers_see_through_jitted_and_remat_models():
     got = to_host(exe(state, batch))
   assert len(exe.stages) == 2
   assert_trees_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_handover_counts_no_collective_over_one_device():
+  """A stage on a (1, 2) sub-mesh returning a value split over its size-1 axis to a
+  reader that takes it whole: XLA compiles nothing for the size-1 axis, so neither does
+  the prediction; over the size-2 axis it is an all-gather."""
+  from jaxdist.mesh import LogicalMesh
+  from jaxdist.pipeline.partition import Stage
+  from jaxdist.pipeline.runtime import _hand_over
+  lmesh = LogicalMesh((1, 2), devices=jax.devices()[:2])
+  stage = Stage((0, 1), (), lmesh, (), (), ())
+  aval = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+  whole = jax.sharding.NamedSharding(lmesh.mesh, P())
+  _hand_over(stage, [(P("mesh_0"), whole, aval)])
+  assert stage.handover == {}
+  _hand_over(stage, [(P("mesh_1"), whole, aval)])
+  assert stage.handover == {"all-gather": {"count": 1, "result_bytes": 128.0}}

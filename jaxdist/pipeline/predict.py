@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import math
 
-import jax.numpy as jnp
+import jax
 
 from jaxdist.pipeline.per_device import LOSS_OUTPUT, REPLICATED
 from jaxdist.shard.cost import Combining
 
 
-def _device_bytes(shape, dtype, sharding) -> float:
-  return float(math.prod(sharding.shard_shape(tuple(shape))) * jnp.dtype(dtype).itemsize)
+def device_bytes(aval) -> float:
+  """Bytes of one device's shard of an aval carrying its sharding."""
+  shape = aval.sharding.shard_shape(aval.shape)
+  return float(math.prod(shape) * aval.dtype.itemsize)
 
 
 class _Total:
@@ -46,12 +48,13 @@ class _Total:
       entry["count"] += c["count"] * times
       entry["result_bytes"] += c["result_bytes"] * times
 
-  def add_all_reduces(self, values, times: int):
-    """Independent all-reduces in one program, of ``(bytes, dtype)`` each: one op per
-    reduction type (XLA combines only all-reduces of one element type)."""
+  def add_all_reduces(self, avals, times: int):
+    """Independent all-reduces in one program, one of each aval (with its sharding): one
+    op per reduction type (XLA combines only all-reduces of one element type)."""
     by_dtype: dict[str, list[float]] = {}
-    for nbytes, dtype in values:
-      by_dtype.setdefault(str(dtype), []).append(self.combining.collective_bytes(nbytes, dtype))
+    for a in avals:
+      by_dtype.setdefault(str(a.dtype), []).append(
+          self.combining.collective_bytes(device_bytes(a), a.dtype))
     for sizes in by_dtype.values():
       self.add_plan({"all-reduce": {"count": self.combining.count("all-reduce", sizes),
                                     "result_bytes": sum(sizes)}}, times)
@@ -77,15 +80,12 @@ def pipeline_collectives(stages, applies, k: int,
       left_out.append(f"stage {s} runs per shard of the batch over {pd.axes} with its other "
                       f"axes partitioned by XLA")
       continue
-    total.add_all_reduces([(_device_bytes(a.shape, a.dtype, a.sharding), a.dtype)
-                           for kind, a in zip(pd.acts_out, st.out_avals)
+    total.add_all_reduces([a for kind, a in zip(pd.acts_out, st.out_avals)
                            if kind[0] == LOSS_OUTPUT], k)
-    total.add_all_reduces([(_device_bytes(st.in_avals[p].shape, st.in_avals[p].dtype,
-                                          st.in_avals[p].sharding), st.in_avals[p].dtype)
-                           for p in st.float_in if pd.acts_in[p][0] == REPLICATED], k)
-    total.add_all_reduces([(_device_bytes(st.operand_avals[p].shape, home_dtype, home), home_dtype)
-                           for p, home, home_dtype in zip(
-                               st.diff, st.grad_homes, [g.dtype for g in st.grad_avals])], 1)
+    total.add_all_reduces([st.in_avals[p] for p in st.float_in
+                           if pd.acts_in[p][0] == REPLICATED], k)
+    total.add_all_reduces([jax.ShapeDtypeStruct(st.operand_avals[p].shape, g.dtype, sharding=home)
+                           for p, home, g in zip(st.diff, st.grad_homes, st.grad_avals)], 1)
   for program in applies:
     if program.plan is not None:
       total.add_plan(program.plan.predicted_collectives, 1)

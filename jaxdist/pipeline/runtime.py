@@ -65,6 +65,7 @@ from jaxdist.pipeline import (capture, layers as layers_mod, per_device, predict
                               timeline, transfer)
 from jaxdist.pipeline.schedule import BACKWARD, FORWARD, Schedule, make_schedule
 from jaxdist.pipeline.partition import Stage, build_stages, stage_functions
+from jaxdist.pipeline.predict import device_bytes
 from jaxdist.plan import Plan, PlanEntry
 from jaxdist.shard.cost import CostModel, combining_for
 from jaxdist.shard.specs import from_partition_spec, used_axes
@@ -82,11 +83,14 @@ def _hand_over(stage: Stage, moves):
   """Sets ``stage.handover``: the collectives of its programs' ``moves`` (planned spec,
   the sharding its reader takes, aval) per micro-batch, as XLA reshards them."""
   cost = CostModel(stage.mesh)
+  sizes = cost.axis_sizes
   stage.handover = {}
   for planned, sharding, aval in moves:
     rank = len(aval.shape)
     src, dst = from_partition_spec(planned, rank), from_partition_spec(sharding.spec, rank)
-    for kind, _, nbytes in cost.reshard_collectives(src, dst, _nbytes(aval)):
+    for kind, axes, nbytes in cost.reshard_collectives(src, dst, _nbytes(aval)):
+      if math.prod(sizes[a] for a in axes) == 1:  # over one device: none (as combine.predict)
+        continue
       entry = stage.handover.setdefault(kind, {"count": 0, "result_bytes": 0.0})
       entry["count"] += 1
       entry["result_bytes"] += nbytes
@@ -1288,7 +1292,3 @@ def _program_bytes(a) -> float:
                + a.temp_size_in_bytes)
 
 
-def device_bytes(aval) -> float:
-  """Bytes of one device's shard of an aval carrying its sharding."""
-  shape = aval.sharding.shard_shape(aval.shape)
-  return float(math.prod(shape) * aval.dtype.itemsize)
