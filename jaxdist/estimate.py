@@ -21,6 +21,7 @@ mesh's α-β costs.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import math
@@ -302,6 +303,8 @@ def _parts(timeline: Timeline, labels: dict, forward_end: int) -> dict[str, floa
   for label, b in peak.live:
     if label in labels:
       parts[labels[label]] += b
+    elif isinstance(label, tuple) and label[0] == "relaid":
+      parts["temporaries"] += b  # an input's transposed copy
     elif timeline.buffers[label][0] <= forward_end:
       parts["activations"] += b
     else:
@@ -353,7 +356,8 @@ def _split_step(planned, closed, size=nbytes, gathered_inputs=None):
     pm = timeline.position[id(marker)]
     grads = [(i, v) for i, (v, kind) in enumerate(zip(marker.invars, marker.params["kinds"]))
              if kind == GRAD]
-    starts, local = [], 0.0
+    starts, local, scattered = [], 0.0, []
+    per_leaf = _updates_per_leaf(timeline, pm)
     for i, v in grads:
       b = timeline.buffer_of(v)
       if b not in timeline.buffers:
@@ -368,7 +372,9 @@ def _split_step(planned, closed, size=nbytes, gathered_inputs=None):
         timeline.add(("reduced", i), pm, end, reduced)
       elif k == 1:
         timeline.buffers[b] = [start, start, nb]  # reduce-scattered as produced
-        timeline.add(("reduced", i), start, end, reduced)
+        scattered.append(b)
+        # and, where each leaf's update reads its own gradient only, updated with it
+        timeline.add(("reduced", i), start, start if per_leaf else end, reduced)
       else:
         timeline.buffers[b] = [start, start, nb]  # added into the accumulator
         timeline.add(("reduced", i), pm, end, reduced)
@@ -386,11 +392,21 @@ def _split_step(planned, closed, size=nbytes, gathered_inputs=None):
     if layout.stream_inputs:
       # ZeRO-3: each parameter is gathered (whole) around every equation reading it.
       streamed = {jaxpr.invars[i] for i in layout.stream_inputs}
+      for label in [l for l in timeline.buffers
+                    if isinstance(l, tuple) and l[0] == "relaid" and l[1] in streamed]:
+        del timeline.buffers[label]  # made from the gathered copy, where it is used
+      reads = []
       for pos, (eqn, ins, _) in enumerate(timeline.eqns[:pm]):
         gathered = sum(nbytes(v) for v in set(ins) if v in streamed)
         if gathered:
+          reads.append(pos)
           timeline.add(("gathered", pos), pos, pos, gathered)
           labels[("gathered", pos)] = "temporaries"
+      # XLA issues a gradient's reduce-scatter after the next parameter's all-gather.
+      for b in scattered:
+        start = timeline.buffers[b][0]
+        after = reads[bisect.bisect_right(reads, start):]
+        timeline.buffers[b][1] = after[0] if after else start
   else:
     peak = timeline.peak()
     grad_bytes = sum(_bytes(l.shape, l.dtype) / _shards(spec, lmesh)
@@ -411,6 +427,22 @@ def _split_step(planned, closed, size=nbytes, gathered_inputs=None):
   written = k * sum(b for _, _, b in timeline.buffers.values())
   return _Work(temps, flops, written, tuple(notes), approximate=marker is None and k == 1
                and any(l.role == PARAM for l in planned.traced.inputs))
+
+
+def _updates_per_leaf(timeline: Timeline, marker_position: int) -> bool:
+  """Whether every equation after the gradient marker reads at most one gradient leaf
+  (an optimizer without a global norm): XLA then updates each leaf as soon as its
+  gradient is reduced, so the reduced gradients do not pile up."""
+  marker, _, outs = timeline.eqns[marker_position]
+  deps = {o: {i} for i, (o, kind) in enumerate(zip(outs, marker.params["kinds"]))
+          if kind == GRAD}
+  for _, ins, outs in timeline.eqns[marker_position + 1:]:
+    read = set().union(*(deps.get(v, ()) for v in ins))
+    if len(read) > 1:
+      return False
+    if read:
+      deps.update((o, read) for o in outs)
+  return True
 
 
 def fixed_layout_collectives(method, traced, layout, lmesh):
