@@ -11,6 +11,8 @@ last reader. What XLA keeps out of memory is left out:
 - a scatter or dynamic_update_slice whose operand is read by nothing after it writes
   into the operand's buffer, and ``x + scatter_add(zeros, ...)`` scatters into ``x``'s
   (XLA's simplifier folds the zeros away);
+- an elementwise result is written into the buffer of an operand of its shape that
+  dies there;
 - the step's inputs are arguments and its outputs are written into output buffers, so
   neither is a temporary.
 
@@ -26,7 +28,9 @@ index arrays: while it runs, one s32 iota per operand dim over the operand and o
 index per source element and operand dim are alive (measured on a conv net's pooled
 activations: four s32 copies of the operand and four of the source at the peak), and runs
 a random draw (dropout's) as a threefry loop whose state is several 32-bit arrays of the
-draw's shape (:data:`THREEFRY_STATE`).
+draw's shape (:data:`THREEFRY_STATE`). It multiplies in canonical dimension order, so
+a dot that reads an input in another order reads a transposed copy of it, made early
+and kept until that input's last such dot.
 """
 
 from __future__ import annotations
