@@ -232,9 +232,9 @@ class Timeline:
     the backward. Labelled ``("relaid", input, order)``."""
     last: dict = {}
     for i, (eqn, ins, _) in enumerate(self.eqns):
-      if eqn.primitive.name != "dot_general":
+      if eqn.primitive.name != "dot_general" or len(ins) != 2:  # (a literal operand)
         continue
-      for side, v in enumerate(ins[:2]):
+      for side, v in enumerate(ins):
         b = self.buffer_of(v)
         order = _dot_order(eqn, side)
         if b in inputs and order is not None:
