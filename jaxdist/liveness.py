@@ -98,40 +98,38 @@ class Timeline:
       for v in ins:
         readers.setdefault(v, []).append(eqn.primitive.name)
         last[v] = i
-    bitcast = [eqn.primitive.name in BITCASTS for eqn, _, _ in self.eqns]
-    self._owner: dict = {}  # a bitcast's result → the buffer it shares
-    for i, (eqn, ins, outs) in enumerate(self.eqns):
-      if bitcast[i]:
+    # A value → the value whose buffer it shares (a bitcast's operand, an operand
+    # updated in place); chains end at the buffer (``_root``).
+    self._owner: dict = {}
+    for eqn, ins, outs in self.eqns:
+      if eqn.primitive.name in BITCASTS:
         for o, v in zip(outs, ins):
-          self._owner[o] = self._owner.get(v, v)
+          self._owner[o] = v
     outputs = {self.buffer_of(v) for v in jaxpr.outvars if not isinstance(v, jex.Literal)}
     # A fused result is recomputed inside each reader's fusion: its operands stay live
     # until its last reader (walked backwards, so chains of fused values carry through).
     fused = [_fused(eqn, outs, readers, outputs) for eqn, _, outs in self.eqns]
     for i in range(n - 1, -1, -1):
       eqn, ins, outs = self.eqns[i]
-      if fused[i] or bitcast[i]:
+      if fused[i] or eqn.primitive.name in BITCASTS:
         reach = max((last.get(o, i) for o in outs), default=i)
         for v in ins:
           last[v] = max(last.get(v, i), reach)
     end: dict = {}
     for v, i in last.items():
-      b = self._owner.get(v, v)
+      b = self._root(v)
       end[b] = max(end.get(b, -1), i)
     # A scatter or dynamic_update_slice whose operand nothing reads afterwards updates
     # the operand's buffer in place (XLA's buffer assignment shares them).
     for i, (eqn, ins, outs) in enumerate(self.eqns):
       if eqn.primitive.name not in IN_PLACE or not ins:
         continue
-      b, o = self._owner.get(ins[0], ins[0]), outs[0]
+      b, o = self._root(ins[0]), outs[0]
       if b in inputs or b in outputs or end.get(b, -1) != i or o in outputs:
         continue
-      for k, owner in list(self._owner.items()):
-        if owner == o:
-          self._owner[k] = b
       self._owner[o] = b
       end[b] = max(end.get(o, i), i)
-    self._reuse_dying_operands(fused, bitcast, end, inputs, outputs)
+    self._reuse_dying_operands(fused, end, inputs, outputs)
     elided = self._fold_scatters_into_sums(readers, end, inputs, outputs)
     self.buffers: dict = {}
     if platform == "cpu":
@@ -148,7 +146,7 @@ class Timeline:
       elif eqn.primitive.name in THREEFRY and platform == "cpu":
         self.extra[i] = THREEFRY_STATE * sum(4 * base(o) / max(o.aval.dtype.itemsize, 1)
                                              for o in outs[:1])
-      if bitcast[i] or fused[i]:
+      if eqn.primitive.name in BITCASTS or fused[i]:
         continue
       for o in outs:
         if o in self._owner or o in elided:  # updated in place, or never written
@@ -157,14 +155,14 @@ class Timeline:
           continue
         self.buffers[o] = [i, max(end.get(o, i), i), size(o)]
 
-  def _reuse_dying_operands(self, fused, bitcast, end, inputs, outputs) -> None:
+  def _reuse_dying_operands(self, fused, end, inputs, outputs) -> None:
     """An elementwise op writes its result into the buffer of an operand of the same
     shape that dies there (XLA's buffer assignment shares a loop fusion's output with
     such an operand, also one its fused producers read): measured on a GPT's GELU
     backward, where two of six same-size values share buffers this way."""
     position = {o: i for i, (_, _, outs) in enumerate(self.eqns) for o in outs}
-    written = lambda b: b not in inputs and b not in outputs and (
-        b in position and not fused[position[b]] and not bitcast[position[b]])
+    written = lambda b: (b not in inputs and b not in outputs and b in position
+                         and not fused[position[b]])
 
     def operands(i):  # the values the fusion rooted at equation i reads
       stack = list(self.eqns[i][1])
@@ -177,17 +175,14 @@ class Timeline:
           yield v
 
     for i, (eqn, _, outs) in enumerate(self.eqns):
-      if (fused[i] or bitcast[i] or len(outs) != 1 or outs[0] in outputs
+      if (fused[i] or len(outs) != 1 or outs[0] in outputs
           or eqn.primitive.name not in ELEMENTWISE):
         continue
       o = outs[0]
       for v in operands(i):
-        b = self._owner.get(v, v)
+        b = self._root(v)
         if (written(b) and end.get(b, -1) == i and b.aval.shape == o.aval.shape
             and b.aval.dtype == o.aval.dtype):
-          for k, owner in list(self._owner.items()):
-            if owner == o:
-              self._owner[k] = b
           self._owner[o] = b
           end[b] = max(end.get(o, i), i)
           break
@@ -208,12 +203,12 @@ class Timeline:
             or len(readers.get(scattered, ())) != 1
             or scattered.aval.shape != other.aval.shape):
           continue
-        zeros = self._owner.get(scattered)
+        zeros = self._root(scattered) if scattered in self._owner else None
         init = made.get(zeros)
         if (init is None or init.primitive.name != "broadcast_in_dim"
             or not isinstance(init.invars[0], jex.Literal) or init.invars[0].val != 0):
           continue
-        b = self._owner.get(other, other)
+        b = self._root(other)
         if b in inputs or b in outputs or end.get(b, -1) != i or outs[0] in outputs:
           continue
         elided.add(zeros)
@@ -244,8 +239,12 @@ class Timeline:
 
   def buffer_of(self, v):
     """The buffer holding variable ``v`` (through calls and bitcasts)."""
-    v = self._rename.get(v, v)
-    return self._owner.get(v, v)
+    return self._root(self._rename.get(v, v))
+
+  def _root(self, v):
+    while v in self._owner:
+      v = self._owner[v]
+    return v
 
   def add(self, label, start: int, end: int, nbytes: float) -> None:
     self.buffers[label] = [start, end, nbytes]
