@@ -25,7 +25,8 @@ class UnknownArgumentError(JaxdistError, TypeError):
 
 
 class BatchArgnumsError(InvalidArgumentError):
-  """``batch_argnums`` names an argument the step does not have."""
+  """``batch_argnums`` names an argument the step does not have, or leaves out one that
+  meets the batch along its dim 0."""
 
 
 class BatchDivisibilityError(InvalidArgumentError):

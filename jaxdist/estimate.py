@@ -175,7 +175,8 @@ class StageEstimate:
 
 @gc_paused()
 def estimate(step, *args, method: m.Method | None = None, compile: bool = False,
-             calibrated: bool = True) -> Estimate:
+             calibrated: bool = True, batch_argnums: int | tuple[int, ...] | None = None
+             ) -> Estimate:
   """Estimates the memory per device and the step time of ``step`` under ``method``.
 
   Args:
@@ -187,16 +188,20 @@ def estimate(step, *args, method: m.Method | None = None, compile: bool = False,
       figures beside the estimate in ``Estimate.compiled``.
     calibrated: use the devices' calibration profile (``jaxdist.calibrate``) if one
       exists.
+    batch_argnums: the step's batch arguments (as :func:`jaxdist.parallelize` takes
+      them); default a parallelized step's own, else ``(1,)``.
 
   Raises:
     InvalidArgumentError: ``method`` is not a jaxdist method.
   """
   from jaxdist.api import ParallelizedFunc, parallelize
   if isinstance(step, ParallelizedFunc):
-    func = step if method is None else ParallelizedFunc(
-        step.fun, method, step.static_argnums, step.donate_argnums, step.batch_argnums)
+    func = step if method is None and batch_argnums is None else ParallelizedFunc(
+        step.fun, method or step.method, step.static_argnums, step.donate_argnums,
+        step.batch_argnums if batch_argnums is None else batch_argnums)
   else:
-    func = parallelize(step, method=method)
+    func = parallelize(step, method=method,
+                       batch_argnums=(1,) if batch_argnums is None else batch_argnums)
   method = func.method
   if isinstance(method, m.PipeshardParallel):
     from jaxdist.pipeline.estimate import estimate_pipeline

@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import gc
 import inspect as pyinspect
+import warnings
 from typing import Any
 
 import jax
@@ -204,6 +205,13 @@ def trace_step(fun, args: tuple, static_argnums: tuple[int, ...], batch_argnums:
   batch_dims = {sigs[k][0][0] for k in range(len(leaves)) if is_batch[k] and sigs[k][0]}
   inputs = tuple(LeafInfo(paths[k], sigs[k][0], sigs[k][1], argnum_of_leaf[k], roles[k])
                  for k in range(len(leaves)))
+  if batch_dims:
+    feeds = 0
+    for k, dep in enumerate(out_deps):
+      if output_source[k] is None and dep & batch_mask:
+        feeds |= dep
+    _check_batch_arguments(fun, args, dyn_argnums, in_tree, leaves, inputs, batch_argnums,
+                           min(batch_dims), feeds, names)
   return TracedStep(
       closed_jaxpr=closed, in_tree=in_tree, out_tree=out_tree, inputs=inputs,
       out_avals=out_avals, out_paths=out_paths,
@@ -211,6 +219,52 @@ def trace_step(fun, args: tuple, static_argnums: tuple[int, ...], batch_argnums:
       batch_size=min(batch_dims) if batch_dims else None, roles_from_loss=roles_from_loss,
       depends_on_batch=tuple(bool(d & batch_mask) for d in out_deps),
       marker_index=marker_index, num_markers=num_markers)
+
+
+def _check_batch_arguments(fun, args, dyn_argnums, in_tree, leaves, inputs, batch_argnums,
+                           batch_size: int, feeds: int, names) -> None:
+  """Finds arguments that look like batch data left out of ``batch_argnums``: every
+  leaf has the batch size as its dim 0 and feeds what the step returns from the batch
+  (labels passed beside the inputs, say). Methods that cut the batch per device or per
+  micro-batch would pair a part of the inputs with all of such an argument: a shape error
+  deep in the step, or, where one side broadcasts, a wrong result. If the step no longer
+  traces with the batch arguments halved, the argument meets the batch along dim 0:
+  that raises here; otherwise a warning names it.
+
+  Raises:
+    BatchArgnumsError: naming the argument and the ``batch_argnums`` that would hold it.
+  """
+  by_arg: dict[int, list[int]] = {}
+  for k, leaf in enumerate(inputs):
+    if leaf.role == INPUT:
+      by_arg.setdefault(leaf.argnum, []).append(k)
+  suspects = [a for a, ks in by_arg.items()
+              if len(ks) == len(tree_util.tree_leaves(args[a]))
+              and all(inputs[k].shape and inputs[k].shape[0] == batch_size for k in ks)
+              and any(feeds >> k & 1 for k in ks)]
+  if not suspects:
+    return
+  described = ", ".join(f"argument {a} ({names[a]})" for a in suspects)
+  wanted = tuple(sorted(set(batch_argnums) | set(suspects)))
+  halved = None
+  if batch_size % 2 == 0 and batch_size > 2:
+    halved = [jax.ShapeDtypeStruct((x.shape[0] // 2,) + x.shape[1:], x.dtype)
+              if info.role == BATCH else jax.ShapeDtypeStruct(np.shape(x), info.dtype)
+              for x, info in zip(leaves, inputs)]
+  try:
+    if halved is not None:
+      _trace_flat(fun, args, dyn_argnums, in_tree, halved)
+  except (TypeError, ValueError) as e:
+    raise errors.BatchArgnumsError(
+        f"{described} has dim 0 = {batch_size}, the batch size, and meets the batch along it, "
+        f"but batch_argnums={tuple(batch_argnums)!r} leaves it out: jaxdist splits only the "
+        f"batch arguments over devices and micro-batches, so the step fails on a part of the "
+        f"batch ({type(e).__name__}: {str(e)[:200]}). Pass batch_argnums={wanted!r}.") from e
+  warnings.warn(
+      f"{described} has dim 0 = {batch_size}, the batch size, and feeds the step's result, "
+      f"but is not in batch_argnums={tuple(batch_argnums)!r}: every device gets all of it. If "
+      f"it holds one row per example, pass batch_argnums={wanted!r}.",
+      errors.JaxdistWarning, stacklevel=5)
 
 
 def _trace_flat(fun, args, dyn_argnums, in_tree, flat_args):

@@ -34,7 +34,7 @@ from jaxdist.layouts import Layout, check_batch_divisible, uses_marker
 from jaxdist.mesh import LogicalMesh
 from jaxdist.shard import cache, combine
 from jaxdist.shard.cost import CostModel, combining_for
-from jaxdist.shard.graph import StrategyGraph, build_graph
+from jaxdist.shard.graph import REARRANGING, StrategyGraph, build_graph
 from jaxdist.shard.micro import MicroBatchLoop, batch_varying, micro_batch_loop
 from jaxdist.shard.repeats import tie_groups
 from jaxdist.shard.rolled import roll
@@ -817,6 +817,15 @@ def layout_of(step: TracedStep, plan: MeshPlan, num_micro_batches: int = 1) -> L
       continue
     specs = operands.setdefault(eqn_index[id(node.eqn)], [None] * len(node.eqn.invars))
     specs[flow.operand] = to_partition_spec(want)
+    # The value resharded keeps the plan's layout where it is produced, even where the
+    # plan had no choice to make there: else XLA may carry the resharded layout back to
+    # it, and its other readers would see that one (a gather's split token ids read
+    # split by the embedding gradient's scatter too, partitioned with an all-reduce).
+    # Not a rearrangement, which XLA makes from the moved copy of its operand instead.
+    if (src.eqn is not None and "no rule" not in src.strategies[0].name
+        and src.eqn.primitive.name not in REARRANGING):
+      constraints.setdefault(eqn_index[id(src.eqn)], tuple(
+          to_partition_spec(s) for s in src.strategies[choice[src.group]].out_specs))
   operand_constraints = {i: tuple(specs) for i, specs in operands.items()}
   batch_axes, reduce_specs = plan.lmesh.axis_names, None
   if num_micro_batches > 1:

@@ -60,7 +60,7 @@ AGREED = ("status", "step_time_s", "memory_bytes", "compile_s", "reason",
 
 def tune(step, *args, memory_budget_per_device: float | None = None, steps: int = 3,
          time_budget_s: float | None = None, candidates=None, progress: bool = True,
-         devices=None) -> TuneReport:
+         devices=None, batch_argnums: int | tuple[int, ...] | None = None) -> TuneReport:
   """Tries parallelization methods on ``step(*args)`` and reports them, fastest first.
 
   Args:
@@ -76,6 +76,8 @@ def tune(step, *args, memory_budget_per_device: float | None = None, steps: int 
       terminal); False prints nothing.
     devices: the devices (a list, a ``jax.sharding.Mesh`` or a ``jaxdist.LogicalMesh``
       whose α/β the ShardParallel candidates use); default all.
+    batch_argnums: the step's batch arguments (as :func:`jaxdist.parallelize` takes
+      them); default a parallelized step's own, else ``(1,)``.
 
   Returns:
     A :class:`jaxdist.TuneReport`.
@@ -86,6 +88,8 @@ def tune(step, *args, memory_budget_per_device: float | None = None, steps: int 
     fun, argnums = step.fun, (step.static_argnums, step.donate_argnums, step.batch_argnums)
   else:
     fun, argnums = step, ("auto", "auto", (1,))
+  if batch_argnums is not None:
+    argnums = argnums[:2] + (batch_argnums,)
   if steps < 1:
     raise errors.InvalidArgumentError(f"tune(steps={steps!r}): give at least 1 timed step.")
   number = lambda x: isinstance(x, numbers.Real) and not isinstance(x, bool)
