@@ -454,15 +454,8 @@ def needed_eqns(jaxpr, outvars: Sequence, stop: Iterable[int] = ()) -> set[int]:
   return needed
 
 
-def without_dead_code(closed: jex.ClosedJaxpr) -> jex.ClosedJaxpr:
-  """``closed`` without the effect-free equations whose results nothing reads, as XLA
-  drops them (the primal outputs of a ``jax.vjp`` whose cotangents alone are returned,
-  say): a plan must not price collectives that never compile."""
-  return without_dead_gradients(closed, None, None)
-
-
-def without_dead_gradients(closed: jex.ClosedJaxpr, marker_name: str | None,
-                           dead_kind: str | None) -> jex.ClosedJaxpr:
+def without_dead_gradients(closed: jex.ClosedJaxpr, marker_name: str,
+                           dead_kind: str) -> jex.ClosedJaxpr:
   """``closed`` without the marker outputs of kind ``dead_kind`` that nothing reads, and
   without the equations that then compute nothing read (effect-free ones only).
 

@@ -34,6 +34,48 @@ def test_batch_argnums_out_of_range(counted_step):
   assert not traces
 
 
+def _labels_apart(state):
+  def step(state, x, y):
+    def loss_fn(params):
+      return jax.numpy.mean((state.apply_fn(params, x) - y) ** 2)
+    loss, grads = jd.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+  return step
+
+
+@pytest.mark.parametrize("method", [jd.DataParallel(), jd.DataParallel(num_micro_batches=2),
+                                    jd.ShardParallel()], ids=["dp", "dp-k2", "shard"])
+def test_labels_left_out_of_batch_argnums(method):
+  """Labels passed beside the inputs, with the default batch_argnums=(1,): methods that
+  cut the batch per device would pair a part of the inputs with all the labels (a shape
+  error deep in the step, or under DataParallel with 2 micro-batches a silent broadcast
+  and a wrong loss). It is named before anything is planned."""
+  state, batch = _state()
+  step = jd.parallelize(_labels_apart(state), method=method)
+  with pytest.raises(errors.BatchArgnumsError,
+                     match=r"argument 2 \(y\) has dim 0 = 64.*batch_argnums=\(1, 2\)"):
+    step(state, batch["x"], batch["y"])
+  _, loss = jd.parallelize(_labels_apart(state), method=method, batch_argnums=(1, 2))(
+      state, batch["x"], batch["y"])
+  assert abs(float(loss) - float(jax.jit(_labels_apart(state))(state, batch["x"], batch["y"])[1])) < 1e-5
+
+
+def test_a_batch_sized_argument_that_does_not_meet_the_batch_only_warns():
+  """A (64, 8) table on a batch of 64 whose rows the step reads as weights is not batch
+  data: the step still traces on half the batch, so it is only named in a warning."""
+  state, batch = _state()
+
+  def step(state, x, w):
+    def loss_fn(params):
+      return jax.numpy.mean(state.apply_fn(params, x)) + jax.numpy.mean(x @ w[:32])
+    loss, grads = jd.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  w = jax.numpy.ones((64, 8))
+  with pytest.warns(errors.JaxdistWarning, match=r"argument 2 \(w\).*batch_argnums=\(1, 2\)"):
+    jd.parallelize(step, method=jd.DataParallel()).get_executable(state, batch["x"], w)
+
+
 def test_batch_that_does_not_divide_over_devices():
   state, batch = _state()
   batch = {k: v[:30] for k, v in batch.items()}

@@ -319,6 +319,23 @@ def test_pipeline_predictions_count_what_stages_hand_over():
   assert {line.split(":")[0] for line in lines} == {"all-gather", "all-reduce", "all-to-all"}
 
 
+def test_a_stage_backward_predicts_only_what_it_computes():
+  """A stage's backward recomputes its forward through ``jax.vjp`` and returns only
+  cotangents: the forward's outputs are dead there, and XLA drops them with the
+  resharding that laid them out for the next stage. Before, the backward's plan predicted
+  that all-to-all too (2 per step beyond the 2 compiled). Its ILP still prices them: they
+  stand in for the forward program, which the same plan lays out."""
+  data = models.regression_batch(32, 64)
+  state = models.create_state(models.MLP(hidden=64, num_layers=4), data["x"],
+                              tx=optax.adam(1e-3))
+  exe = jd.parallelize(models.regression_step(jd.value_and_grad), method=jd.PipeshardParallel(
+      num_micro_batches=2, layer_option=jd.AutoLayerOption(layer_num=2),
+      stage_option=jd.UniformStageOption(num_stages=2))).get_executable(state, data)
+  assert all(st.per_device is None for st in exe.stages)
+  lines = exe.check_communication()
+  assert not [line for line in lines if "DIFFERS" in line], lines
+
+
 def test_model_parallel_stages_reduce_gradients_once_per_step():
   """A stage planned with its batch on one axis and its MLP kernels split over the other
   (Megatron's layout) runs manual over the batch axis only: each shard adds its partial

@@ -18,7 +18,7 @@ import jax
 from jax import tree_util
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxdist import errors, jaxpr_util
+from jaxdist import errors
 from jaxdist import methods as m
 from jaxdist.executable import compile_layout
 from jaxdist.mesh import LogicalMesh
@@ -65,9 +65,7 @@ def program_step(fun, groups, roles, paths, tied: dict[int, int] | None = None,
     out_tree.append(tree)
     return out
 
-  # A backward recomputes its forward through jax.vjp: the primal results it does not
-  # return are dead, and XLA drops them (with the reshards the plan would price).
-  closed = jaxpr_util.without_dead_code(jax.make_jaxpr(flat_fun)(*avals))
+  closed = jax.make_jaxpr(flat_fun)(*avals)
   named = [(a, role, path) for group, group_roles, group_paths in zip(groups, roles, paths)
            for a, role, path in zip(group, group_roles, group_paths)]
   inputs = [LeafInfo(path, tuple(a.shape), a.dtype, int(k in donated), role)

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec
 from jaxdist import cache_dir
 from jaxdist.shard.solver import Solution
 
-VERSION = 21
+VERSION = 22
 log = logging.getLogger("jaxdist.plan")
 
 

@@ -33,6 +33,7 @@ import math
 import jax.numpy as jnp
 
 from jaxdist.mesh import LogicalMesh
+from jaxdist.shard.reshard import reshard_ops
 from jaxdist.shard.specs import DimAxes
 
 
@@ -157,74 +158,14 @@ class CostModel:
 
   def reshard_collectives(self, src: DimAxes, dst: DimAxes,
                           full_bytes: float) -> list[tuple[str, tuple[str, ...], float]]:
-    """The collectives that move a tensor of ``full_bytes`` (unsharded) from ``src`` to
-    ``dst``, as (kind, axes, per-device result bytes).
-
-    A dimension's tiling is an ordered tuple of mesh axes (major first), and XLA's
-    partitioner only changes it at the minor end: per dimension the longest common
-    prefix of ``src`` and ``dst`` stays, every ``src`` axis after it is released (an
-    all-to-all if ``dst`` uses that axis elsewhere, else an all-gather), and every
-    ``dst`` axis after it that the tensor was not split on is a local slice (free).
-    So ``(a, b) → (a,)`` gathers over ``b`` only, while ``(a, b) → (b,)`` gathers over
-    both (XLA logs that as an "involuntary full rematerialization"). Axes released from
-    one dimension that all move to one other dimension go in one all-to-all over them
-    together; those it gathers, in one all-gather over them together, of the value before
-    any new split is sliced out (or, where each new shard of the dimension lies within
-    one old shard, as in ``(a,) → (b,)`` with ``b`` splitting it as finely, in one
-    collective-permute). Axes moving to several dimensions at once are beyond XLA's
-    all-to-all resharding: it gathers them (a full rematerialization too). So are axes
-    that one dimension receives from two or more others (``(b, a, -) → (-, -, (a, b))``):
-    XLA gathers each source dimension's released axes, the last dimension first, and
-    slices the new split out of the result (measured on jax 0.10.2).
+    """The collectives XLA's partitioner emits to move a tensor of ``full_bytes``
+    (unsharded) from ``src`` to ``dst``, as (kind, axes, per-device result bytes), in
+    order (``jaxdist.shard.reshard`` follows its decisions on tile assignments: a
+    collective-permute where only the device order differs, all-to-alls where tile counts
+    trade places between dimensions, all-gathers a dimension at a time, the last first).
     """
-    if src == dst:
-      return []
-    sizes = self.axis_sizes
-    where_dst = {a: d for d, axes in enumerate(dst) for a in axes}
-    per_device = full_bytes / math.prod(sizes[a] for a in where_dst)
-    keeps = []  # per dim, the length of the tiling prefix src and dst share
-    for s_axes, d_axes in zip(src, dst):
-      keep = 0
-      while keep < min(len(s_axes), len(d_axes)) and s_axes[keep] == d_axes[keep]:
-        keep += 1
-      keeps.append(keep)
-    released = [s_axes[keep:] for s_axes, keep in zip(src, keeps)]
-    sources: dict[int, set] = {}
-    for d, axes in enumerate(released):
-      for a in axes:
-        if a in where_dst and where_dst[a] != d:
-          sources.setdefault(where_dst[a], set()).add(d)
-    if any(len(dims) > 1 for dims in sources.values()):
-      out, split = [], [a for axes in src for a in axes]
-      for axes in reversed(released):
-        if axes:
-          split = [a for a in split if a not in axes]
-          out.append(("all-gather", axes, full_bytes / math.prod(sizes[a] for a in split)))
-      return out
-    out, gone = [], set()
-    # XLA reshards the last dimension first: a gather's result is what is left split
-    # after it and the gathers of the later dimensions.
-    for d in reversed(range(len(src))):
-      moving = tuple(a for a in released[d] if a in where_dst)
-      if len({where_dst[a] for a in moving}) > 1:
-        others = math.prod(sizes[a] for axes in src for a in axes if a not in released[d])
-        out.append(("all-gather", released[d], full_bytes / others))
-        continue
-      if len(moving) > 1:
-        out.append(("all-to-all", moving, per_device))
-      else:
-        out += [("all-to-all", (a,), per_device) for a in moving]
-      gathered = tuple(a for a in released[d] if a not in where_dst)
-      added = tuple(a for a in dst[d][keeps[d]:] if not any(a in axes for axes in src))
-      if gathered and added and (math.prod(sizes[a] for a in added)
-                                 % math.prod(sizes[a] for a in gathered) == 0):
-        # Every new shard lies within one old shard: one device sends it.
-        out.append(("collective-permute", gathered + added, per_device))
-      elif gathered:  # gathered before any new split is sliced out of it
-        gone.update(gathered)
-        kept = math.prod(sizes[a] for axes in src for a in axes if a not in gone)
-        out.append(("all-gather", gathered, full_bytes / kept))
-    return out
+    ops = reshard_ops(src, dst, self.mesh.axis_names, self.mesh.shape)
+    return [(kind, axes, fraction * full_bytes) for kind, axes, fraction in ops]
 
   def collective(self, kind: str, axes, nbytes: float) -> float:
     """Seconds for one collective, without α where XLA combines ``kind`` (the planner

@@ -89,6 +89,10 @@ class StrategyGraph:
     combine: the collectives XLA may combine, for one α per combined group
       (:class:`jaxdist.shard.combine.Terms`).
     loop: the micro-batch loop the costs price, if any (:attr:`loop`).
+    dead: equation nodes outside loops whose results reach no output. XLA drops them, so
+      they have no collectives; the ILP still prices them (a pipeline stage's backward
+      recomputes its forward, whose outputs it does not return: they stand in for the
+      forward program, which the same plan lays out).
   """
 
   nodes: list[Node]
@@ -99,6 +103,7 @@ class StrategyGraph:
   unknown_primitives: tuple[str, ...]
   flows: list = dataclasses.field(default_factory=list)
   combine: object = None
+  dead: frozenset = frozenset()
   _loop: Callable[[], MicroBatchLoop] | None = dataclasses.field(default=None, repr=False)
   _pricing: Callable[[], tuple] | None = dataclasses.field(default=None, repr=False)
 
@@ -135,6 +140,8 @@ class StrategyGraph:
     partial sum over ``batch_axes`` only (None: every axis), reduced once after the loop."""
     out = []
     for k, node in enumerate(self.nodes):
+      if k in self.dead:
+        continue
       repeat = self.loop.own_bytes_repeat(node.eqn) if self.loop is not None else 1
       for kind, axes, b in node.strategies[choice[node.group]].collectives:
         if node.eqn is not None:  # 16-bit floats move as f32 on CPU
@@ -148,7 +155,7 @@ class StrategyGraph:
     for flow in self.flows:
       want = flow.required[choice[self.nodes[flow.dst].group]]
       have = self.nodes[flow.src].strategies[choice[self.nodes[flow.src].group]].out_specs[flow.pos]
-      if want is None or (flow.src, flow.pos, want, flow.tied) in done:
+      if want is None or (flow.src, flow.pos, want, flow.tied) in done or flow.dst in self.dead:
         continue
       done.add((flow.src, flow.pos, want, flow.tied))
       if not flow.tied and want != have and self._rearranged_from_moved(flow, want, choice, moved):
@@ -262,6 +269,7 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
     producer[v] = (new_node(f"input {k}", strategies, input_index=k), 0)
 
   expanded: set = set()  # values broadcast up from fewer elements (see _track_expanded)
+  top_level: set = set()  # equations outside any loop or conditional once compiled
   for index, eqn in enumerate(jaxpr.eqns):
     if not eqn.outvars:  # nothing to shard (jaxdist.mark_pipeline_boundary, say)
       continue
@@ -293,6 +301,8 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
       node_id = new_node(eqn.primitive.name, rule, eqn)
     if regions is not None:
       nodes[node_id].region = regions[index]
+    if regions is None or regions[index] is None:
+      top_level.add(node_id)
     if weights is not None:
       nodes[node_id].weight = weights[index]
     for pos, v in enumerate(eqn.outvars):
@@ -329,8 +339,21 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
   # axes, but k times whole over an axis that cannot split the batch.
   batch_axes = frozenset(a for i in (batch_inputs if loop is not None else ())
                          for s in (input_choices or {}).get(i, ()) if s for a in s[0])
+  live, todo = set(), [producer[v][0] for v in jaxpr.outvars if _has_producer(v, producer)]
+  sources = {}
+  for flow in flows:
+    if not flow.tied:
+      sources.setdefault(flow.dst, []).append(flow.src)
+  while todo:
+    k = todo.pop()
+    if k not in live:
+      live.add(k)
+      todo += sources.get(k, [])
+  # Inside a loop an iteration's result feeds the next through the carry (and a while
+  # loop's stand-in condition feeds nothing here), so only top-level equations are dead.
+  dead = frozenset(k for k in top_level if k not in live)
   graph = StrategyGraph(nodes, group_sizes, None, None, producer, tuple(unknown), flows,
-                        _loop=loop)
+                        dead=dead, _loop=loop)
   graph._pricing = lambda: _price(graph, cost_model, jaxpr.outvars, batch_axes)
   return graph.priced() if priced else graph
 
