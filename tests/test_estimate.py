@@ -281,6 +281,22 @@ def test_pipeline_estimate_per_stage(workload):
         est.summary())
 
 
+def test_a_planned_stage_adds_each_gradient_as_it_is_made():
+  """A stage run on its shard plan (not per device) adds each weight gradient into its
+  accumulator as soon as it is computed, as XLA schedules it; estimated in the traced
+  order (every add at the end), the last of 4 MLP stages held its three weight gradients
+  at once: 6.42 MB against XLA's 5.49."""
+  data = models.regression_batch(64, 512, out=512)
+  state = models.create_state(models.MLP(hidden=512, num_layers=8, out=512), data["x"],
+                              tx=optax.adam(1e-3))
+  est = jd.estimate(models.regression_step(jd.value_and_grad), state, data,
+                    method=jd.PipeshardParallel(
+                        num_micro_batches=4, layer_option=jd.AutoLayerOption(layer_num=4),
+                        stage_option=jd.UniformStageOption(num_stages=4)), compile=True)
+  last = est.stages[-1]
+  assert abs(last.program_bytes / last.compiled_program_bytes - 1) < 0.05, est.summary()
+
+
 def test_jaxdist_estimate_command(capsys, tmp_path):
   target = make_step_script(tmp_path)
   assert cli.main(["estimate", target, "--method", "zero2", "--json"]) == 0

@@ -40,6 +40,7 @@ from jaxdist.pipeline.partition import stage_functions
 from jaxdist.pipeline.runtime import device_bytes
 from jaxdist.plan import Plan, PlanEntry
 from jaxdist.shard.strategies import nbytes
+from jaxdist.trace import OPTIMIZER
 
 
 def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True) -> Estimate:
@@ -66,7 +67,7 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
   slices = exe.batch_slice_bytes()
   stages, estimates = [], []
   for s, st in enumerate(exe.stages):
-    result = st.backward_plan
+    result = _accumulating_early(st.backward_plan)
     planned = Planned(result.step, result.step, result.layout, result, (), {})
     est = estimate_planned(method, planned, None, calibrated, exe._lmesh.devices)
     per_device = exe._per_device(st)
@@ -199,6 +200,19 @@ def _per_device_parts(pd, platform: str, frozen: frozenset) -> dict[str, float]:
               other=outputs, grads=accumulator, activations=0.0,
               temporaries=Timeline(_accumulate_early(closed.jaxpr, len(grads)),
                                    platform=platform).peak().bytes)
+
+
+def _accumulating_early(result):
+  """A stage backward's shard plan with its jaxpr in the order XLA runs it: each gradient
+  added into its accumulator (the program's last inputs, the ``optimizer`` role) as soon
+  as it is computed. In the traced order the adds come last, and a 4-stage MLP's last
+  stage was estimated with all three of its weight gradients alive at once (0.9 MB over
+  XLA's 5.5 MB program)."""
+  step = result.step
+  num = sum(leaf.role == OPTIMIZER for leaf in step.inputs)
+  jaxpr = _accumulate_early(step.closed_jaxpr.jaxpr, num)
+  closed = jex.ClosedJaxpr(jaxpr, step.closed_jaxpr.consts)
+  return dataclasses.replace(result, step=dataclasses.replace(step, closed_jaxpr=closed))
 
 
 def _accumulate_early(jaxpr, num_accumulators: int):
