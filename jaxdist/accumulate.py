@@ -36,7 +36,7 @@ import warnings
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdist import coupling, errors
 from jaxdist import jaxpr_util, rng
@@ -208,7 +208,8 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
                   reduce_specs: tuple[PartitionSpec | None, ...],
                   eqn_constraints: dict | None = None,
                   operand_constraints: dict | None = None,
-                  stream_inputs: dict | None = None):
+                  stream_inputs: dict | None = None,
+                  input_specs: tuple[PartitionSpec, ...] | None = None):
   """The step as a function of flat input leaves, gradients accumulated and reduced once.
 
   Args:
@@ -225,6 +226,11 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
       None), or None.
     stream_inputs: input position → sharded spec of parameters that enter sharded and
       are gathered before each equation reading them (ZeRO-3), or None.
+    input_specs: the plan's spec of every input, or None. With micro-batches, the
+      non-batch inputs the loop reads keep theirs inside it: a loop-invariant value's
+      layout in the loop is XLA's to choose otherwise (a replicated MoE router kernel,
+      read split two ways and sliced for free in the plan, was carried split one way
+      and moved to the other by an all-to-all in every micro-batch).
   """
   split = split_at_marker(step)
   closed = step.closed_jaxpr
@@ -295,6 +301,16 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
             for x, w in zip(outs, weighted)], d.astype(jnp.float32)
 
   per_example = split.per_example
+  pinned = {}
+  for i, (k_in, b) in enumerate(zip(split.grad_inputs, is_batch)):
+    if b or input_specs is None or k_in in (stream_inputs or {}):
+      continue
+    shape = step.inputs[k_in].shape
+    local_spec = [tuple(a for a in axes if a not in batch_axes)
+                  for axes in from_partition_spec(input_specs[k_in], len(shape))]
+    pinned[i] = to_partition_spec(tuple(local_spec))
+  pin = lambda x, i: x if i not in pinned else jax.lax.with_sharding_constraint(
+      x, pinned[i] if inner_mesh is None else NamedSharding(inner_mesh, pinned[i]))
 
   def local(*values):
     if k == 1:
@@ -305,7 +321,8 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
       def body(acc, xs):
         micro_index[0], xs = xs
         it = iter(xs)
-        outs, d = grads_one([next(it) if b else x for x, b in zip(values, is_batch)])
+        outs, d = grads_one([next(it) if b else pin(x, i)
+                             for i, (x, b) in enumerate(zip(values, is_batch))])
         rows = [o for o, e in zip(outs, per_example) if e]  # collected, not summed
         outs = [o for o, e in zip(outs, per_example) if not e]
         return ([a + o for a, o in zip(acc[0], outs)], acc[1] + d), rows

@@ -198,7 +198,7 @@ def compile_layout(step: TracedStep, layout: Layout, timings: dict | None = None
   if layout.grad_reduce_specs is not None:
     flat_fun = split_step_fn(step, mesh, layout.batch_axes, layout.num_micro_batches,
                              layout.grad_reduce_specs, layout.eqn_constraints,
-                             layout.operand_constraints, layout.stream_inputs)
+                             layout.operand_constraints, layout.stream_inputs, layout.in_specs)
   elif layout.rolled is not None:
     flat_fun = rolled_fn(layout.rolled, mesh)
   elif layout.eqn_constraints or layout.operand_constraints:

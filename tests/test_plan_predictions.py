@@ -87,22 +87,27 @@ def test_predicted_collectives_match_the_compiled_module(workload, shape, costs)
   _assert_predicted_as_compiled(exe)
 
 
-@pytest.mark.parametrize("workload,shape,k", [
-    (lambda: _mlp(jd.value_and_grad), (2, 4), 4),
-    (lambda: _lm(models.GPT, value_and_grad=jd.value_and_grad), (2, 4), 4),
+@pytest.mark.parametrize("workload,shape,k,costs", [
+    (lambda: _mlp(jd.value_and_grad), (2, 4), 4, {}),
+    (lambda: _lm(models.GPT, value_and_grad=jd.value_and_grad), (2, 4), 4, {}),
     # Its embedding gradient (a scatter-add) is all-gathered over the data axis in one
     # step; with micro-batches it joins the gradients' one reduction after the loop.
     (lambda: _lm(models.GPT, optax.sgd(0.1, momentum=0.9), jd.value_and_grad,
                  models.GPTConfig(vocab=256, width=128, heads=4, depth=1, seq_len=16)),
-     (2, 4), 2),
-], ids=["mlp-2x4-k4", "gpt-2x4-k4", "gpt-2x4-k2-sgd"])
-def test_predictions_with_micro_batches(workload, shape, k):
+     (2, 4), 2, {}),
+    # The replicated router kernel is read split two ways and sliced for free; unpinned in
+    # the loop, XLA carried it split one way and moved it by an all-to-all per micro-batch.
+    (lambda: _lm(models.MoELM, value_and_grad=jd.value_and_grad, batch_size=8,
+                 config=models.GPTConfig(vocab=256, width=32, heads=4, depth=2, seq_len=16)),
+     (8,), 2, H100),
+], ids=["mlp-2x4-k4", "gpt-2x4-k4", "gpt-2x4-k2-sgd", "moe-8-k2-h100"])
+def test_predictions_with_micro_batches(workload, shape, k, costs):
   """The gradient part runs k times in a loop, manual over the batch axes: its collectives
   over the other axes are counted k times (XLA counts a loop's body per trip); the
   gradient and loss reductions over the batch axes run once, after it."""
   step, state, batch = workload()
   exe = jd.parallelize(step, method=jd.ShardParallel(
-      devices=_mesh(shape, {}), num_micro_batches=k)).get_executable(state, batch)
+      devices=_mesh(shape, costs), num_micro_batches=k)).get_executable(state, batch)
   _assert_predicted_as_compiled(exe)
 
 
