@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-all bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +17,11 @@ demo: $(STAMP)
 	$(VENV)/bin/jaxdist demo
 
 # Two workers: tracing, planning and XLA's compiles are single-threaded (10 min instead of 14 on 2 cores).
+# `make test` leaves out the few cases marked slow (a minute or more each); `make test-all` runs them too.
 test: $(STAMP)
+	$(PY) -m pytest -q -n 2 -m "not slow"
+
+test-all: $(STAMP)
 	$(PY) -m pytest -q -n 2
 
 bench: $(STAMP)

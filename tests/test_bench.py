@@ -20,7 +20,9 @@ def test_gpt_flops_formula_is_the_traced_steps_matmuls():
   assert w.formula_flops == gpt_flops(16, 32, 2, 64, 256)
 
 
-@pytest.mark.parametrize("suite", ["gpt", "moe", "wresnet"])
+# The MoE and wide-ResNet suites take over a minute each: `make test-all` runs them.
+@pytest.mark.parametrize("suite", ["gpt", pytest.param("moe", marks=pytest.mark.slow),
+                                   pytest.param("wresnet", marks=pytest.mark.slow)])
 def test_tiny_suites_run_every_method_and_match_serial(suite, tmp_path):
   """Every method of the suite runs and its first step equals the single-device step's.
   A pipeline on a BatchNorm model computes statistics per micro-batch, as gradient
