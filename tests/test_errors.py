@@ -44,7 +44,8 @@ def _labels_apart(state):
 
 
 @pytest.mark.parametrize("method", [jd.DataParallel(), jd.DataParallel(num_micro_batches=2),
-                                    jd.ShardParallel()], ids=["dp", "dp-k2", "shard"])
+                                    jd.ShardParallel(), jd.PipeshardParallel(num_micro_batches=2)],
+                         ids=["dp", "dp-k2", "shard", "pipeshard"])
 def test_labels_left_out_of_batch_argnums(method):
   """Labels passed beside the inputs, with the default batch_argnums=(1,): methods that
   cut the batch per device would pair a part of the inputs with all the labels (a shape
