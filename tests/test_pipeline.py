@@ -301,17 +301,22 @@ def test_gpt_stages_reduce_gradients_once_per_step():
   assert wire[1] >= params, (wire, params)  # the gradients are reduced, once
 
 
+def _mlp_stages(batch_size: int, num_stages: int):
+  """A 4-layer Adam MLP cut into ``num_stages`` uniform stages, 2 micro-batches."""
+  data = models.regression_batch(batch_size, 64)
+  state = models.create_state(models.MLP(hidden=64, num_layers=4), data["x"],
+                              tx=optax.adam(1e-3))
+  return jd.parallelize(models.regression_step(jd.value_and_grad), method=jd.PipeshardParallel(
+      num_micro_batches=2, layer_option=jd.AutoLayerOption(layer_num=num_stages),
+      stage_option=jd.UniformStageOption(num_stages=num_stages))).get_executable(state, data)
+
+
 def test_pipeline_predictions_count_what_stages_hand_over():
   """Four MLP stages, three run per device and the last as planned: the driver's
   prediction adds each stage program's plan, the per-device sums and the reshards that
   return activations and cotangents in their readers' layouts (a per-device output
   gathered for the planned stage, its cotangent sent back split)."""
-  data = models.regression_batch(8, 64)
-  state = models.create_state(models.MLP(hidden=64, num_layers=4), data["x"],
-                              tx=optax.adam(1e-3))
-  exe = jd.parallelize(models.regression_step(jd.value_and_grad), method=jd.PipeshardParallel(
-      num_micro_batches=2, layer_option=jd.AutoLayerOption(layer_num=4),
-      stage_option=jd.UniformStageOption(num_stages=4))).get_executable(state, data)
+  exe = _mlp_stages(batch_size=8, num_stages=4)
   assert [st.per_device is not None for st in exe.stages] == [True, True, True, False]
   assert exe.stages[2].handover and exe.stages[3].handover
   lines = exe.check_communication()
@@ -325,12 +330,7 @@ def test_a_stage_backward_predicts_only_what_it_computes():
   resharding that laid them out for the next stage. Before, the backward's plan predicted
   that all-to-all too (2 per step beyond the 2 compiled). Its ILP still prices them: they
   stand in for the forward program, which the same plan lays out."""
-  data = models.regression_batch(32, 64)
-  state = models.create_state(models.MLP(hidden=64, num_layers=4), data["x"],
-                              tx=optax.adam(1e-3))
-  exe = jd.parallelize(models.regression_step(jd.value_and_grad), method=jd.PipeshardParallel(
-      num_micro_batches=2, layer_option=jd.AutoLayerOption(layer_num=2),
-      stage_option=jd.UniformStageOption(num_stages=2))).get_executable(state, data)
+  exe = _mlp_stages(batch_size=32, num_stages=2)
   assert all(st.per_device is None for st in exe.stages)
   lines = exe.check_communication()
   assert not [line for line in lines if "DIFFERS" in line], lines
