@@ -20,9 +20,23 @@ def test_gpt_flops_formula_is_the_traced_steps_matmuls():
   assert w.formula_flops == gpt_flops(16, 32, 2, 64, 256)
 
 
-# The MoE and wide-ResNet suites take over a minute each: `make test-all` runs them.
-@pytest.mark.parametrize("suite", ["gpt", pytest.param("moe", marks=pytest.mark.slow),
-                                   pytest.param("wresnet", marks=pytest.mark.slow)])
+def _assert_csv_round_trip(rows, tmp_path):
+  bench_run.write(rows, tmp_path)
+  bench_run.write(rows[:1], tmp_path)  # appends
+  back = bench_run.read_csv(tmp_path / "results.csv")
+  assert len(back) == len(rows) + 1
+  for b, r in zip(back, rows):  # typed columns come back typed
+    assert b.method == r.method and b.status == "ok" and b.matches_serial is r.matches_serial
+    assert isinstance(b.bytes_per_device, int) and isinstance(b.num_devices, int)
+    assert b.step_time_mean_s == pytest.approx(r.step_time_mean_s)
+    assert b.formula_flops == r.formula_flops
+
+
+# Each suite takes over a minute (every method's compile, the automatic pipeline's stage
+# profiling): `make test-all` runs them; `make test` runs the bench path through the row
+# for jd.tune's pick below.
+@pytest.mark.slow
+@pytest.mark.parametrize("suite", ["gpt", "moe", "wresnet"])
 def test_tiny_suites_run_every_method_and_match_serial(suite, tmp_path):
   """Every method of the suite runs and its first step equals the single-device step's.
   A pipeline on a BatchNorm model computes statistics per micro-batch, as gradient
@@ -50,20 +64,12 @@ def test_tiny_suites_run_every_method_and_match_serial(suite, tmp_path):
     assert 0 < r.projected_mfu < 1 and r.params > 0 and r.model_flops > 0
     if not pipelined:  # SPMD first calls are timed by phase
       assert 0 < r.trace_s and 0 <= r.plan_s and 0 < r.xla_compile_s < r.compile_s
-  bench_run.write(rows, tmp_path)
-  bench_run.write(rows[:1], tmp_path)  # appends
-  back = bench_run.read_csv(tmp_path / "results.csv")
-  assert len(back) == len(rows) + 1
-  for b, r in zip(back, rows):  # typed columns come back typed
-    assert b.method == r.method and b.status == "ok" and b.matches_serial is r.matches_serial
-    assert isinstance(b.bytes_per_device, int) and isinstance(b.num_devices, int)
-    assert b.step_time_mean_s == pytest.approx(r.step_time_mean_s)
-    assert b.formula_flops == r.formula_flops
+  _assert_csv_round_trip(rows, tmp_path)
   table = bench_run.summary(rows)
   assert table[0]["model"] == f"{suite}-tiny"
 
 
-def test_a_row_for_the_method_tune_picks():
+def test_a_row_for_the_method_tune_picks(tmp_path):
   """``--tune SECONDS``: jd.tune walks the model's candidates for that long (here only its
   first, DataParallel, starts: 50 ms is more than the walk takes to reach its first
   candidate on a loaded machine, where 1 ms was not, and less than that trial's compile)
@@ -75,6 +81,8 @@ def test_a_row_for_the_method_tune_picks():
   r = tuned[0]
   assert r.method == "jd.tune's pick: DataParallel" and r.kind == "auto"
   assert r.status == "ok" and r.matches_serial and r.projected_h100_s > 0
+  _assert_csv_round_trip(rows, tmp_path)
+  assert bench_run.summary(rows)[0]["model"] == "gpt-tiny"
 
 
 def test_unknown_sizes_and_suites_are_typed_errors():
