@@ -342,6 +342,7 @@ class ParallelizedFunc:
       method = self.method
       budget = (method.options.memory_budget_per_device
                 if isinstance(method, m.ShardParallel) else None)
+      best = None  # (bytes, attempt, step, layout, shard_plan, compiled): the smallest yet
       for attempt in range(BUDGET_RETRIES + 1):
         try:
           if attempt == 0 and planned is not None:
@@ -353,18 +354,20 @@ class ParallelizedFunc:
         except errors.InfeasiblePlanError:
           if attempt == 0:
             raise
-          attempt -= 1  # no plan meets the tighter budget: keep the last one
-          break
-        step, layout, shard_plan = result
-        compiled = compile_layout(step, layout, timings)
-        used = allocation_bytes(compiled)
-        if budget is None or used <= budget or attempt == BUDGET_RETRIES:
+          break  # no plan meets the tighter budget
+        compiled = compile_layout(*result[:2], timings)
+        used, replans = allocation_bytes(compiled), attempt
+        if best is None or used < best[0]:
+          best = (used, attempt, *result, compiled)
+        if budget is None or used <= budget:
           break
         # The planner's memory model is an estimate; XLA's figure is the one to meet. Plan
         # again with the budget scaled down by the overshoot.
         tighter = method.options.memory_budget_per_device * budget / used * 0.99
         method = dataclasses.replace(method, auto_sharding_option=dataclasses.replace(
             method.options, memory_budget_per_device=tighter))
+      # None met the budget: the plan that came closest.
+      used, kept, step, layout, shard_plan, compiled = best
     predicted = None
     if shard_plan is None and isinstance(self.method, (m.DataParallel, m.Zero2Parallel,
                                                        m.Zero3Parallel)):
@@ -373,12 +376,14 @@ class ParallelizedFunc:
     plan = make_plan(self.method.name, step, layout, shard_plan, predicted)
     if budget is not None:
       note = (f"memory_budget_per_device={budget:.0f}: compiled {used:.0f} bytes per device"
-              + (f" after {attempt} re-plan(s) with a tighter budget" if attempt else ""))
+              + (f" after {replans} re-plan(s) with a tighter budget" if replans else ""))
       if used > budget:
+        if kept != replans:
+          note += f" (the plan of attempt {kept + 1} kept: the smallest compiled)"
         warnings.warn(f"ShardParallel: the compiled step needs {used:.0f} bytes per device, over "
-                      f"memory_budget_per_device={budget:.0f} after {attempt} re-plans; the "
-                      f"planner's memory estimate is below XLA's here.", errors.JaxdistWarning,
-                      stacklevel=3)
+                      f"memory_budget_per_device={budget:.0f} after {replans} re-plans (the "
+                      f"smallest of them kept); the planner's memory estimate is below XLA's "
+                      f"here.", errors.JaxdistWarning, stacklevel=3)
       plan = dataclasses.replace(plan, notes=plan.notes + (note,))
     return Executable(step, layout, compiled, plan, dyn_argnums, timings)
 

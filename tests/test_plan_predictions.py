@@ -542,6 +542,33 @@ def test_a_budget_the_compiled_step_exceeds_is_planned_again(monkeypatch):
   assert "after 1 re-plan(s)" in exe.plan.notes[-1], exe.plan.notes
 
 
+def test_when_no_re_plan_meets_the_budget_the_smallest_compile_is_kept(monkeypatch):
+  """XLA's figures here are made up (1.2x the budget, then 2x for each re-plan): none
+  meets the budget, and the first plan, the closest, is the one run, with a warning and a
+  note that says so (the last one was kept before, whatever it needed)."""
+  from jaxdist import api
+  budget, compiles = 1e8, []
+
+  def made_up(compiled):
+    compiles.append(compiled)
+    return budget * (1.2 if len(compiles) == 1 else 2.0)
+
+  monkeypatch.setattr(api, "allocation_bytes", made_up)
+  data = models.regression_batch(64, 256)
+  state = models.create_state(models.MLP(hidden=256, num_layers=2), data["x"], tx=optax.adam(1e-3))
+  f = jd.parallelize(models.regression_step(), method=jd.ShardParallel(
+      logical_mesh_shape=(8,), auto_sharding_option=jd.AutoShardingOption(
+          memory_budget_per_device=budget, plan_cache=False)))
+  with pytest.warns(errors.JaxdistWarning, match="after 2 re-plans"):
+    exe = f.get_executable(state, data)
+  assert len(compiles) == 3 and exe._compiled is compiles[0]
+  assert exe.plan.notes[-1] == (
+      "memory_budget_per_device=100000000: compiled 120000000 bytes per device after 2 "
+      "re-plan(s) with a tighter budget (the plan of attempt 1 kept: the smallest compiled)")
+  _, loss = exe(state, data)
+  assert abs(float(loss["loss"]) - float(jax.jit(models.regression_step())(state, data)[1]["loss"])) < 1e-5
+
+
 def test_jaxdist_plan_command_prints_predicted_and_compiled(capsys):
   from jaxdist import cli
   code = cli.main(["plan", "--model", "mlp", "--mesh", "2x4", "--alpha", "2e-5,1e-5",
