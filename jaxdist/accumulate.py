@@ -152,6 +152,11 @@ def local_constraints(step: TracedStep, split: GradSplit, eqn_constraints: dict,
                   eqn_constraints, batch_axes, axis_sizes, operands)
 
 
+def _without(pspec: PartitionSpec, ndim: int, axes: tuple[str, ...]):
+  """``pspec``'s axes per dimension, less ``axes`` (manual inside the ``shard_map``)."""
+  return tuple(tuple(a for a in dim if a not in axes) for dim in from_partition_spec(pspec, ndim))
+
+
 def localize(full, micro, ids, eqn_constraints: dict, batch_axes: tuple[str, ...],
              axis_sizes: dict[str, int], operands: bool = False) -> dict:
   """A plan's constraints (``eqn_constraints``, indexing the equations ``full``) on the
@@ -178,10 +183,8 @@ def localize(full, micro, ids, eqn_constraints: dict, batch_axes: tuple[str, ...
         continue
       if len(pspec) > len(shape) or len(shape) != len(getattr(w.aval, "shape", ())):
         break  # not the same value (a size-1 batch traces differently): left to XLA
-      local = [tuple(a for a in axes if a not in batch_axes)
-               for axes in from_partition_spec(pspec, len(shape))]
       local = [axes if shape[d] % math.prod(axis_sizes[a] for a in axes) == 0 else ()
-               for d, axes in enumerate(local)]
+               for d, axes in enumerate(_without(pspec, len(shape), batch_axes))]
       specs.append(to_partition_spec(tuple(local)))
     else:
       out[i] = tuple(specs)
@@ -305,10 +308,8 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
   for i, (k_in, b) in enumerate(zip(split.grad_inputs, is_batch)):
     if b or input_specs is None or k_in in (stream_inputs or {}):
       continue
-    shape = step.inputs[k_in].shape
-    local_spec = [tuple(a for a in axes if a not in batch_axes)
-                  for axes in from_partition_spec(input_specs[k_in], len(shape))]
-    pinned[i] = to_partition_spec(tuple(local_spec))
+    pinned[i] = to_partition_spec(_without(input_specs[k_in], len(step.inputs[k_in].shape),
+                                           batch_axes))
   pin = lambda x, i: x if i not in pinned else jax.lax.with_sharding_constraint(
       x, pinned[i] if inner_mesh is None else NamedSharding(inner_mesh, pinned[i]))
 
