@@ -123,7 +123,9 @@ class AutoShardingOption:
       then reduced into shards instead of all-reduced.
     force_zero_stage_3: keep parameters and optimizer state sharded.
     memory_budget_per_device: bytes each device may use at its peak (arguments,
-      outputs and live temporaries, as the planner estimates them); None: no limit.
+      outputs and live temporaries, as the planner estimates them); None: no limit. A
+      compiled step over it is planned again with a tighter budget (at most twice); if
+      none fits, the smallest runs, with a warning and a note in the plan.
     partition_constraints: parameter-path pattern → ``PartitionSpec``. A pattern is
       a glob on the leaf path where only ``*`` and ``?`` are wildcards
       (``state.params*kernel``, ``state.params['params']['Dense_0']['bias']``);
