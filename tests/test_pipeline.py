@@ -219,6 +219,45 @@ def test_data_parallel_stages_reduce_gradients_once_per_step(pass_on, k, per_dev
     assert "the loss mixes examples" in exe.stages[0].note, exe.stages[0].note
 
 
+def test_a_stage_s_outputs_are_not_held_after_they_are_handed_over(monkeypatch):
+  """Two stages, 8 micro-batches of 4 rows: under 1F1B the first stage holds at most 2
+  micro-batches. Its outputs are moved to the second stage at the end of the clock that
+  made them and then dropped; before, the driver kept every micro-batch's outputs on the
+  first stage's devices until the step ended (8 at its last backward)."""
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.normal(size=(6, 16)) / 3, jnp.float32),
+            "v": jnp.asarray(rng.normal(size=(16, 2)) / 3, jnp.float32)}
+  batch = {"x": jnp.asarray(rng.normal(size=(32, 6)), jnp.float32),
+           "y": jnp.asarray(rng.normal(size=(32, 2)), jnp.float32)}
+
+  def step(params, batch):
+    def loss_fn(p):
+      h = jnp.tanh(batch["x"] @ p["w"])
+      jd.mark_pipeline_boundary()
+      return jnp.mean((h @ p["v"] - batch["y"]) ** 2)
+
+    loss, g = jd.value_and_grad(loss_fn)(params)
+    return jax.tree.map(lambda w, d: w - 0.1 * d, params, g), loss
+
+  exe = jd.parallelize(step, method=jd.PipeshardParallel(
+      num_micro_batches=8, stage_option=jd.UniformStageOption(2)),
+      donate_argnums=()).get_executable(params, batch)
+  first = frozenset(exe.stages[0].mesh.devices)
+  held = []
+  backward = type(exe.stages[0]).run_backward
+
+  def counting(stage, *args):
+    held.append(sum(x.shape == (4, 16) and x.sharding.device_set == first
+                    for x in jax.live_arrays()))
+    return backward(stage, *args)
+
+  monkeypatch.setattr(type(exe.stages[0]), "run_backward", counting)
+  assert_trees_close(exe(params, batch), jax.jit(step)(params, batch), rtol=1e-5, atol=1e-6)
+  assert exe.stats["max_in_flight"] == [2, 1]
+  # (a cotangent of the first stage's output waits there for its backward)
+  assert len(held) == 16 and max(held) <= 2, held
+
+
 def test_a_per_device_stage_adds_into_its_donated_accumulator_in_place():
   # Each device's gradients are one block of the stacked accumulator, added to as they
   # are: XLA writes the sums into the donated buffers. With a row dimension of one per

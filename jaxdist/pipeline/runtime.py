@@ -258,6 +258,15 @@ def move(x, target: NamedSharding):
   return jax.device_put(x, target)
 
 
+def move_all(values: list, targets: list) -> list:
+  """:func:`move` of each value to its target; on one process, the copies among them
+  issued at once (:func:`~jaxdist.pipeline.transfer.move_many`)."""
+  if jax.process_count() > 1 or not all(
+      isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) for x in values):
+    return [move(x, target) for x, target in zip(values, targets)]
+  return transfer.move_many(values, targets)
+
+
 class PipelineExecutable:
   """A step compiled for PipeshardParallel (see the module docstring).
 
@@ -375,6 +384,7 @@ class PipelineExecutable:
     self._compile_programs()
     self._compile_slicer()
     self._weigher = self._compile_weigher()
+    self._readers, self._clocks = self._activation_readers(), self._passes_by_clock()
     self.stats: dict = {}
     self.record_timeline = False
     collectives, self._unpredicted = predict.pipeline_collectives(
@@ -1044,68 +1054,80 @@ class PipelineExecutable:
                            for p, a, x in zip(st.operands, st.operand_avals, fixed[s])]
       return stage_ops[s, b]
 
-    acts, saved, cots, accumulated = {}, {}, {}, {}
+    # An activation is moved to each later stage that reads it, and a cotangent to its
+    # producer's backward, at the end of the clock that made it: the moves of one clock
+    # are issued together (one device_put for their copies, see transfer.move_many).
+    ready, saved, cots, accumulated = {}, {}, {}, {}
     outputs = {}
     in_flight = [0] * len(self.stages)
     peak = [0] * len(self.stages)
     dispatched = 0
     out_index = {v: i for i, v in enumerate(jaxpr.outvars)}
+    readers = self._readers
     clock = time.perf_counter
     call_s = move_s = 0.0
     groups = self.schedule.num_stages // self.schedule.virtual_stages
     recorder = timeline.Recorder(groups) if self.record_timeline else None
     last_backward = {}  # stage -> the recorder's index of its latest backward
     start, start_cpu = clock(), time.thread_time()
-    for ins in self.schedule.instructions:
-      s, b, st = ins.stage, ins.micro_batch, self.stages[ins.stage]
-      if ins.kind == FORWARD:
-        t0 = clock()
-        ops = ops_for(s, b)
-        acts_in = [move(acts[b, v], a.sharding) for v, a in zip(st.acts_in, st.in_avals)]
-        t1 = clock()
-        outs = st.run_forward(ops, acts_in, self._index_operand(st, b))
-        move_s += t1 - t0
-        call_s += clock() - t1
-        if recorder is not None:
-          recorder.issued(FORWARD, s, b, s % groups, t1, outs)
-        for v, x in zip(st.acts_out, outs):
-          acts[b, v] = x
-          if v in out_index:
-            outputs[b, out_index[v]] = x
-        saved[s, b] = (ops, acts_in)
-        in_flight[s] += 1
-        peak[s] = max(peak[s], in_flight[s])
-      elif ins.kind == BACKWARD:
-        ops, acts_in = saved.pop((s, b))
-        cot_out = []
-        for p, a in zip(st.float_out, st.cot_avals):
-          v = st.acts_out[p]
-          c = cots.pop((b, v), None)
-          if v is jaxpr.outvars[0]:  # the loss value: d(mean over micro-batches)/d(value_b)
-            c = (self._constant(a, 1.0 / k if self._scales[0] is None else self._scales[0])
-                 if shares is None else shares[b].astype(a.dtype))
+    for instructions in self._clocks:
+      acts_made, cots_made = [], []  # (key, value, target layout)
+      for ins in instructions:
+        s, b, st = ins.stage, ins.micro_batch, self.stages[ins.stage]
+        if ins.kind == FORWARD:
           t0 = clock()
-          cot_out.append(move(c, a.sharding) if c is not None else self._constant(a, 0.0))
-          move_s += clock() - t0
-        if s not in accumulated:
-          accumulated[s] = st.zeros()
-        if recorder is not None and s in last_backward:  # before its accumulator is donated
-          recorder.wait_for(last_backward[s])
-        t0 = clock()
-        accumulated[s], act_cots = st.run_backward(ops, acts_in, cot_out, accumulated[s],
-                                                   self._index_operand(st, b))
-        call_s += clock() - t0
-        if recorder is not None:
-          last_backward[s] = recorder.issued(BACKWARD, s, b, s % groups, t0,
-                                             (accumulated[s], act_cots))
-        for p, c in zip(st.float_in, act_cots):
-          v = st.acts_in[p]
+          ops = ops_for(s, b)
+          acts_in = [ready.pop((b, v, s)) for v in st.acts_in]
+          t1 = clock()
+          outs = st.run_forward(ops, acts_in, self._index_operand(st, b))
+          move_s += t1 - t0
+          call_s += clock() - t1
+          if recorder is not None:
+            recorder.issued(FORWARD, s, b, s % groups, t1, outs)
+          for v, x in zip(st.acts_out, outs):
+            acts_made += [((b, v, r), x, sharding) for r, sharding in readers.get(v, ())]
+            if v in out_index:
+              outputs[b, out_index[v]] = x
+          saved[s, b] = (ops, acts_in)
+          in_flight[s] += 1
+          peak[s] = max(peak[s], in_flight[s])
+        elif ins.kind == BACKWARD:
+          ops, acts_in = saved.pop((s, b))
+          cot_out = []
+          for p, a in zip(st.float_out, st.cot_avals):
+            v = st.acts_out[p]
+            c = cots.pop((b, v), None)
+            if v is jaxpr.outvars[0]:  # the loss value: d(mean over micro-batches)/d(value_b)
+              c = (self._constant(a, 1.0 / k if self._scales[0] is None else self._scales[0])
+                   if shares is None else shares[b].astype(a.dtype))
+            t0 = clock()
+            cot_out.append(move(c, a.sharding) if c is not None else self._constant(a, 0.0))
+            move_s += clock() - t0
+          if s not in accumulated:
+            accumulated[s] = st.zeros()
+          if recorder is not None and s in last_backward:  # before its accumulator is donated
+            recorder.wait_for(last_backward[s])
           t0 = clock()
-          c = move(c, self._cot_shardings[v])
-          move_s += clock() - t0
-          cots[b, v] = c if (b, v) not in cots else cots[b, v] + c
-        in_flight[s] -= 1
-      dispatched += ins.kind in (FORWARD, BACKWARD)
+          accumulated[s], act_cots = st.run_backward(ops, acts_in, cot_out, accumulated[s],
+                                                     self._index_operand(st, b))
+          call_s += clock() - t0
+          if recorder is not None:
+            last_backward[s] = recorder.issued(BACKWARD, s, b, s % groups, t0,
+                                               (accumulated[s], act_cots))
+          for p, c in zip(st.float_in, act_cots):
+            v = st.acts_in[p]
+            cots_made.append(((b, v), c, self._cot_shardings[v]))
+          in_flight[s] -= 1
+        dispatched += 1
+      made = acts_made + cots_made
+      if made:
+        t0 = clock()
+        moved = move_all([x for _, x, _ in made], [target for _, _, target in made])
+        move_s += clock() - t0
+        for (key, _, _), x in zip(acts_made, moved):
+          ready[key] = x
+        for (key, _, _), c in zip(cots_made, moved[len(acts_made):]):
+          cots[key] = c if key not in cots else cots[key] + c
     self.stats = {"max_in_flight": peak, "dispatched": dispatched,
                   "dispatch_s": clock() - start, "call_s": call_s, "move_s": move_s,
                   "dispatch_cpu_s": time.thread_time() - start_cpu}
@@ -1150,6 +1172,22 @@ class PipelineExecutable:
       else:
         results.append(total / k if self._scales[i] is None else total * self._scales[i])
     return results
+
+  def _activation_readers(self) -> dict:
+    """Activation variable -> (stage, layout) of each stage that reads it."""
+    readers = {}
+    for s, stage in enumerate(self.stages):
+      for v, a in zip(stage.acts_in, stage.in_avals):
+        readers.setdefault(v, []).append((s, a.sharding))
+    return readers
+
+  def _passes_by_clock(self) -> list[list]:
+    """The schedule's forward and backward instructions, grouped by clock."""
+    clocks = {}
+    for ins in self.schedule.instructions:
+      if ins.kind in (FORWARD, BACKWARD):
+        clocks.setdefault(ins.clock, []).append(ins)
+    return [clocks[c] for c in sorted(clocks)]
 
   def _index_operand(self, stage: Stage, b: int) -> list:
     """The stage programs' last operand for micro-batch ``b``: ``[b]`` placed, or none."""

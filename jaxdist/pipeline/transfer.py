@@ -15,6 +15,10 @@ per pair of layouts, a chain that stays on the devices and asynchronous:
   *covering* layout (:func:`covering`), in which the target's devices already hold
   their shards, then the target array is assembled from those buffers (no copy);
 - otherwise: replicated on the source, copied to every target device, cut there.
+
+:func:`move_many` moves several values at once: the copies that end their chains are
+issued as one ``jax.device_put`` of a list, whose Python cost (most of a copy's host
+time; 60–140 µs for one small array here, 30 µs each in a list of four) is paid once.
 """
 
 from __future__ import annotations
@@ -87,23 +91,22 @@ class Transfer:
   def __init__(self, shape, dtype, src: NamedSharding, dst: NamedSharding):
     self.dst = dst
     self.steps = []
+    self.copies_last = False  # the chain ends with a device_put to dst (not in steps)
     if _same_slices(src, dst, shape):
-      self.kind = "copy"
-      self.steps.append(self._copy)
+      self.kind, self.copies_last = "copy", True
       return
     source = _devices(src)
     if len(source) == len(_devices(dst)):
       staged = _on(source, dst)
-      self.kind = "reshard+copy"
-      self.steps += [_reshard(shape, dtype, src, staged), self._copy]
+      self.kind, self.copies_last = "reshard+copy", True
+      self.steps.append(_reshard(shape, dtype, src, staged))
       return
     cover = covering(source, dst)
     if cover is not None and dst.is_fully_replicated:  # device_put reuses or copies shards
-      self.kind = "copy"
+      self.kind, self.copies_last = "copy", True
       if not src.is_fully_replicated:
         self.kind = "reshard+copy"
         self.steps.append(_reshard(shape, dtype, src, NamedSharding(src.mesh, PartitionSpec())))
-      self.steps.append(self._copy)
       return
     if cover is not None:
       layout, self._start = cover
@@ -122,9 +125,6 @@ class Transfer:
     if not dst.is_fully_replicated:
       self.steps.append(_reshard(shape, dtype, there, dst))
 
-  def _copy(self, x):
-    return jax.device_put(x, self.dst)
-
   def _assemble(self, x):
     # (x is not fully replicated: addressable_data(i) is the shard of device i)
     n = self.dst.num_devices
@@ -132,10 +132,15 @@ class Transfer:
         x.shape, self.dst, [x.addressable_data(i) for i in range(self._start, self._start + n)],
         dtype=x.dtype)
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def before_copy(self, x: jax.Array) -> jax.Array:
+    """``x`` through the chain, up to its final copy if it has one."""
     for step in self.steps:
       x = step(x)
     return x
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = self.before_copy(x)
+    return jax.device_put(x, self.dst) if self.copies_last else x
 
 
 @functools.lru_cache(maxsize=4096)
@@ -143,3 +148,23 @@ def transfer(shape, dtype, src: NamedSharding, dst: NamedSharding) -> Transfer:
   """The :class:`Transfer` for arrays of ``shape``/``dtype`` from ``src`` to ``dst``,
   planned (and its reshard programs compiled) on first use."""
   return Transfer(shape, dtype, src, dst)
+
+
+def move_many(values: list, targets: list) -> list:
+  """Each of ``values`` (arrays on this process with named layouts) in its layout of
+  ``targets``, as :class:`Transfer` moves them, with every final copy in one
+  ``jax.device_put``."""
+  out = list(values)
+  copies = []
+  for i, (x, dst) in enumerate(zip(values, targets)):
+    if x.sharding == dst:
+      continue
+    move = transfer(x.shape, x.dtype, x.sharding, dst)
+    out[i] = move.before_copy(x)
+    if move.copies_last:
+      copies.append(i)
+  if copies:
+    moved = jax.device_put([out[i] for i in copies], [targets[i] for i in copies])
+    for i, x in zip(copies, moved):
+      out[i] = x
+  return out
