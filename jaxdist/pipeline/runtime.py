@@ -25,7 +25,8 @@ all-reduce the gradients in every micro-batch's backward.
 The driver walks the schedule's instructions in clock order and issues each program
 through JAX's asynchronous dispatch, moving activations and cotangents between
 sub-meshes on the devices (``transfer.py``; the stage programs return them in the layout
-their reader takes, so each move is one copy).
+their reader takes, so each move is one copy). What a clock's programs made is moved at
+the end of that clock, its copies in one call, and the producer's copy is then dropped.
 
 The loss and gradients are means over micro-batches (as with gradient accumulation:
 the full-batch result for a loss that is a mean over examples); integer aux leaves are
@@ -37,8 +38,11 @@ different processes (see :func:`move` for what crosses them).
 State the caller donates (``donate_argnums``) is updated in place by the stage
 programs that own it, unless another program still reads it.
 
-Not yet: one gradient reduction per step for stages whose plan shards parameters
-(model parallel within a stage): XLA reduces their gradients in every micro-batch.
+A stage whose plan splits the batch over some axes and its parameters over others
+(model parallel within a stage) runs manual over the batch axes only and also sums its
+gradients once per step. A stage whose plan shards parameters over the batch axes (ZeRO-3)
+still reduces them in every micro-batch: full-size accumulator rows would undo what
+sharding saves.
 """
 
 from __future__ import annotations
