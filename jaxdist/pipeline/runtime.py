@@ -1107,11 +1107,11 @@ class PipelineExecutable:
             t0 = clock()
             cot_out.append(move(c, a.sharding) if c is not None else self._constant(a, 0.0))
             move_s += clock() - t0
-          if s not in accumulated:
-            accumulated[s] = st.zeros()
           if recorder is not None and s in last_backward:  # before its accumulator is donated
             recorder.wait_for(last_backward[s])
           t0 = clock()
+          if s not in accumulated:
+            accumulated[s] = st.zeros()
           accumulated[s], act_cots = st.run_backward(ops, acts_in, cot_out, accumulated[s],
                                                      self._index_operand(st, b))
           call_s += clock() - t0
