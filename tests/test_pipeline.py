@@ -258,6 +258,36 @@ def test_a_stage_s_outputs_are_not_held_after_they_are_handed_over(monkeypatch):
   assert len(held) == 16 and max(held) <= 2, held
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_an_activation_read_by_two_later_stages_matches_serial(schedule):
+  """The first stage's output is read by the second and the third stage (a skip
+  connection), on sub-meshes of 2, 2 and 4 devices: the driver moves it to both readers
+  and adds the two cotangents they send back."""
+  rng = np.random.default_rng(0)
+  params = {k: jnp.asarray(rng.normal(size=(16, 16)) / 4, jnp.float32) for k in "abc"}
+  batch = {"x": jnp.asarray(rng.normal(size=(32, 16)), jnp.float32),
+           "y": jnp.asarray(rng.normal(size=(32, 16)), jnp.float32)}
+
+  def step(params, batch, grad_fn=jd.value_and_grad):
+    def loss_fn(p):
+      h0 = jnp.tanh(batch["x"] @ p["a"])
+      jd.mark_pipeline_boundary()
+      h1 = jnp.tanh(h0 @ p["b"])
+      jd.mark_pipeline_boundary()
+      return jnp.mean((jnp.tanh(h1 @ p["c"]) + h0 - batch["y"]) ** 2)
+
+    loss, g = grad_fn(loss_fn)(params)
+    return jax.tree.map(lambda w, d: w - 0.1 * d, params, g), loss
+
+  method = jd.PipeshardParallel(
+      num_micro_batches=4, pipeline_schedule=schedule, runtime="mpmd",
+      stage_option=jd.ManualStageOption([[0], [1], [2]], [(1, 2), (1, 2), (1, 4)]))
+  exe = jd.parallelize(step, method=method, donate_argnums=()).get_executable(params, batch)
+  assert [len(st.acts_in) for st in exe.stages] == [0, 1, 2]
+  expected = jax.jit(functools.partial(step, grad_fn=jax.value_and_grad))(params, batch)
+  assert_trees_close(exe(params, batch), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_a_per_device_stage_adds_into_its_donated_accumulator_in_place():
   # Each device's gradients are one block of the stacked accumulator, added to as they
   # are: XLA writes the sums into the donated buffers. With a row dimension of one per
