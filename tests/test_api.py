@@ -208,7 +208,7 @@ def test_python_floats_are_traced_other_python_values_static_and_arrays_inputs()
 
   g = jd.parallelize(branching, method=jd.DataParallel())
   np.testing.assert_allclose(float(g(w, batch, 0.5)[1]), float(jnp.mean(batch["x"] @ w) * 0.5),
-                             rtol=1e-6)
+                             rtol=1e-5)  # (a mean over 8 devices' partial sums)
 
 
 def test_default_method_is_shard_parallel():
