@@ -128,7 +128,6 @@ def test_a_failing_process_fails_the_launch():
   assert proc.returncode == 3
 
 
-@pytest.mark.slow  # four 2-process runs of the example: `make test-all` runs it
 def test_train_example_resumes_from_a_two_process_checkpoint(tmp_path):
   """examples/train_gpt.py (sharded creation, ShardParallel, FollowParallel evaluation,
   orbax checkpoints): 15 steps on 2 processes with checkpoints at 5, 10 and 15; the last
