@@ -13,19 +13,27 @@ and backward once per micro-batch, its gradient sum and the updates once per ste
 - The update programs: their shard plans (none for one replicated over all devices), and
   the program before the pipeline is replicated (no collectives).
 
-A stage that runs per shard of the batch with other axes partitioned by XLA (a
-model-parallel plan inside each shard) is not predicted: its plan's collectives over the
-batch axes move into the once-per-step sum, and which of the rest XLA keeps per shard the
-plan does not say. Such stages are named in the result instead.
+- A stage run per shard of the batch (manual over the batch axes, the other axes
+  partitioned by XLA as its plan lays them out: model parallel inside each shard): its
+  backward's plan over the other axes only (the batch axes are manual there, and its
+  gradients go to the once-per-step sum instead); its forward's, the same plan's
+  collectives on the equations that line up with the forward's (by their primitive
+  sequence, as the forward takes the plan's constraints), the forward's results
+  included, which the backward program leaves dead; and the reductions of a stage run
+  per device, over the batch axes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 
+from jaxdist import jaxpr_util
+
 from jaxdist.pipeline.per_device import LOSS_OUTPUT, REPLICATED
+from jaxdist.shard import combine
 from jaxdist.shard.cost import Combining
 
 
@@ -61,12 +69,12 @@ class _Total:
 
 
 def pipeline_collectives(stages, applies, k: int,
-                         combining: Combining) -> tuple[dict[str, dict[str, float]], list[str]]:
-  """(kind → {"count", "result_bytes"} per step and device, the stages left out and why)
-  for ``stages`` (``partition.Stage``, compiled) run on ``k`` micro-batches and the update
-  programs ``applies`` (``runtime.Program``)."""
-  total, left_out = _Total(combining), []
-  for s, st in enumerate(stages):
+                         combining: Combining) -> dict[str, dict[str, float]]:
+  """kind → {"count", "result_bytes"} per step and device for ``stages``
+  (``partition.Stage``, compiled) run on ``k`` micro-batches and the update programs
+  ``applies`` (``runtime.Program``)."""
+  total = _Total(combining)
+  for st in stages:
     if st.forward_plan is not None:
       total.add_plan(st.forward_plan.predicted_collectives, k)
       total.add_plan(st.backward_plan.predicted_collectives, k)
@@ -77,9 +85,8 @@ def pipeline_collectives(stages, applies, k: int,
       continue
     total.add_plan(st.handover, k)
     if pd.axes:
-      left_out.append(f"stage {s} runs per shard of the batch over {pd.axes} with its other "
-                      f"axes partitioned by XLA")
-      continue
+      for forward in (False, True):
+        total.add_plan(_per_shard(st.backward_plan, pd, forward), k)
     total.add_all_reduces([a for kind, a in zip(pd.acts_out, st.out_avals)
                            if kind[0] == LOSS_OUTPUT], k)
     total.add_all_reduces([st.in_avals[p] for p in st.float_in
@@ -89,4 +96,25 @@ def pipeline_collectives(stages, applies, k: int,
   for program in applies:
     if program.plan is not None:
       total.add_plan(program.plan.predicted_collectives, 1)
-  return total.kinds, left_out
+  return total.kinds
+
+
+def _per_shard(result, pd, forward: bool) -> dict:
+  """The collectives of one shard's backward (``forward``: forward) program of a stage
+  run manual over the batch axes ``pd.axes``, from the backward program's shard plan
+  ``result`` (see the module docstring)."""
+  plan = result.mesh_plan
+  graph, keep = plan.graph, None
+  if forward:
+    eqns = result.step.closed_jaxpr.jaxpr.eqns
+    own = [pd.loss.closed.jaxpr.eqns[i] for i in pd.stage.eqns]
+    keep = {id(eqns[j]) for j in jaxpr_util.align(own, eqns).values()}
+    graph = dataclasses.replace(graph, dead=frozenset())
+
+  def axes_of(node, axes):
+    eqn = graph.nodes[node].eqn
+    if keep is not None and (eqn is None or id(eqn) not in keep):
+      return ()
+    return tuple(a for a in axes if a not in pd.axes)
+
+  return combine.predict(graph, plan.solution.choice, plan.cost_model, axes_of=axes_of)

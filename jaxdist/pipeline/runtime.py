@@ -391,7 +391,7 @@ class PipelineExecutable:
     self._readers, self._clocks = self._activation_readers(), self._passes_by_clock()
     self.stats: dict = {}
     self.record_timeline = False
-    collectives, self._unpredicted = predict.pipeline_collectives(
+    collectives = predict.pipeline_collectives(
         self.stages, self._applies, k, combining_for(lmesh.devices[0].platform))
     self.plan = Plan(
         method=method.name, mesh_shape=lmesh.shape, axis_names=lmesh.axis_names,
@@ -410,8 +410,7 @@ class PipelineExecutable:
                       else "")]),
                *([] if predicted is None else [
                    f"auto stages: predicted {[f'{c:.3g}' for c in predicted.stage_costs]} s per "
-                   f"micro-batch, {predicted.step_time:.3g} s per step"]),
-               *(f"collectives not predicted: {why}" for why in self._unpredicted)),
+                   f"micro-batch, {predicted.step_time:.3g} s per step"])),
         predicted_collectives=collectives)
     costs = [sum(c for c in st.objectives if c is not None) for st in self.stages]
     self.auto_sharding_objective = sum(costs) + (k - 1) * max(costs)
@@ -1307,11 +1306,7 @@ class PipelineExecutable:
   def check_communication(self, tolerance: float = 0.10) -> list[str]:
     """Compares the plan's predicted collectives per step (the stage plans' predictions
     added up over the driver's programs and micro-batches, ``pipeline/predict.py``) with
-    what XLA compiled, one line per kind as ``Executable.check_communication`` gives them.
-    Where a stage is not predicted, the compiled collectives are listed as not predicted,
-    with the reason."""
-    if self._unpredicted:
-      return hlo_inspect.unpredicted(self.communication(), "; ".join(self._unpredicted))
+    what XLA compiled, one line per kind as ``Executable.check_communication`` gives them."""
     return compare_collectives(self.plan.predicted_collectives, self.communication(),
                                tolerance)
 
