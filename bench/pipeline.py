@@ -8,7 +8,10 @@ runtime (one program) on (4 stages, 2 data) in GPipe's and in lockstep 1F1B orde
 circular, on (2, 4) with two chunks per stage. Step times are medians of
 alternating runs (the machine is noisy). On simulated CPU devices pipelining has no
 bandwidth to save and every stage shares the same two cores, so this measures what the
-driver costs, not what a pipeline gains on a cluster.
+driver costs, not what a pipeline gains on a cluster. On a GPT of width 8 (compute
+negligible) it prints the driver's host time per stage program and, beside it, JAX's own
+calls timed alone (a stage program's call, a copy between sub-meshes): the part of that
+time no driver can remove.
 
 Then a sweep: a GPT of 8 blocks at 4 and 8 stages x 4, 8, 16 micro-batches, on the MPMD
 driver (1F1B, automatic layers) and the SPMD runtime (lockstep 1F1B), beside ShardParallel:
@@ -24,6 +27,7 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jaxdist as jd  # noqa: E402
@@ -107,7 +111,7 @@ def main():
       tiny_steps[name].append(time.perf_counter() - start)
       exe = step.get_executable(state, tiny_batch)
       if hasattr(exe, "stages"):  # the MPMD driver
-        stats = exe.stats
+        driver, stats = exe, exe.stats
         per_program.append([stats[k] / stats["dispatched"]
                             for k in ("dispatch_s", "call_s", "move_s", "dispatch_cpu_s")])
   total, call, moves, cpu = (statistics.median(p[i] for p in per_program[1:]) * 1e6
@@ -120,11 +124,51 @@ def main():
         f"{call:.0f} us inside the programs' calls + {moves:.0f} us issuing moves between "
         f"sub-meshes + {own:.0f} us of the driver's own Python (wall time counts the "
         f"programs XLA runs meanwhile on the same 2 cores)")
+  call, copy, copies = jax_floor(driver)
+  print(f"JAX's own calls, each timed alone with its inputs ready (median CPU): a stage "
+        f"program {call:.0f} us (forward and backward averaged), a copy between sub-meshes "
+        f"{copy:.0f} us, {copies:.2f} copies per stage program: {call + copies * copy:.0f} us "
+        f"per stage program before any Python of the driver")
   print("the same tiny GPT's whole step: " + ", ".join(
       f"{name} {statistics.median(t[1:]) * 1e3:.2f} ms" for name, t in tiny_steps.items())
       + " (the SPMD runtime has no driver: one dispatch per step)")
   sweep()
   return True
+
+
+def jax_floor(exe, rounds: int = 300) -> tuple[float, float, float]:
+  """(µs of CPU per stage program call, per copy of an activation between two stages'
+  sub-meshes, copies per stage program in a step) for the MPMD executable ``exe``: each
+  call timed alone, its inputs placed beforehand, the median of ``rounds``."""
+  def cpu_us(run):
+    times = []
+    for _ in range(rounds):
+      start = time.thread_time()
+      out = run()
+      times.append(time.thread_time() - start)
+      jax.block_until_ready(out)
+    return statistics.median(times) * 1e6
+
+  place = lambda avals: [jax.device_put(np.zeros(a.shape, a.dtype), a.sharding) for a in avals]
+  calls, copies = [], []
+  for st in exe.stages:
+    ops, acts, cots = place(st.operand_avals), place(st.in_avals), place(st.cot_avals)
+    index = [] if st.index_aval is None else place([st.index_aval])
+    calls.append(cpu_us(lambda: st.run_forward(ops, acts, index)))
+    accumulated = [st.zeros()]
+
+    def backward():
+      accumulated[0], act_cots = st.run_backward(ops, acts, cots, accumulated[0], index)
+      return act_cots
+
+    calls.append(cpu_us(backward))
+  made = {v: a for st in exe.stages for v, a in zip(st.acts_out, st.out_avals)}
+  for st in exe.stages:  # each activation a stage reads, from its producer's layout
+    for v, a in zip(st.acts_in, st.in_avals):
+      x = place([made[v]])[0]
+      copies.append(cpu_us(lambda: jax.device_put(x, a.sharding)))
+  moved = sum(len(st.acts_in) + len(st.float_in) for st in exe.stages)
+  return statistics.mean(calls), statistics.median(copies), moved / (2 * len(exe.stages))
 
 
 SWEEP = models.GPTConfig(vocab=1024, width=256, heads=8, depth=8, seq_len=128,
