@@ -31,7 +31,6 @@ import math
 import jax
 
 from jaxdist import jaxpr_util
-
 from jaxdist.pipeline.per_device import LOSS_OUTPUT, REPLICATED
 from jaxdist.shard import combine
 from jaxdist.shard.cost import Combining

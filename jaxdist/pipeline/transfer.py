@@ -18,7 +18,7 @@ per pair of layouts, a chain that stays on the devices and asynchronous:
 
 :func:`move_many` moves several values at once: the copies that end their chains are
 issued as one ``jax.device_put`` of a list, whose Python cost (most of a copy's host
-time; 60–140 µs for one small array here, 30 µs each in a list of four) is paid once.
+time) is then paid once per list rather than once per array.
 """
 
 from __future__ import annotations
