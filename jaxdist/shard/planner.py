@@ -43,7 +43,7 @@ from jaxdist.shard.repeats import tie_groups
 from jaxdist.shard.rolled import roll
 from jaxdist.shard.solver import MemoryConstraint, Solution, solve_ilp
 from jaxdist.shard.specs import (DimAxes, divides, enumerate_specs, from_partition_spec,
-                                 num_shards, to_partition_spec)
+                                 num_shards, to_partition_spec, used_axes)
 from jaxdist.shard.strategies import ELEMENTWISE, nbytes
 from jaxdist.trace import BATCH, OPTIMIZER, PARAM, TracedStep
 
@@ -702,6 +702,9 @@ def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
     start = time.perf_counter()
     solution = solve_ilp(graph.priced(), memory, opt.memory_budget_per_device,
                          opt.solver_time_limit_s, ties)
+    if memory is not None and graph.loop is not None:
+      solution, memory = _with_loop_buffers(jaxpr, graph, step, lmesh, opt, ties, solution,
+                                            memory)
     log.info("mesh %s solved in %.2f s: %.4g ms predicted (%s)", lmesh.shape,
              time.perf_counter() - start, solution.objective * 1e3, solution.status)
   if jax.process_count() > 1:  # a time limit or a cached solution may differ per process
@@ -718,53 +721,193 @@ def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
   return MeshPlan(lmesh, graph, solution, input_specs, cost_model)
 
 
+def _with_loop_buffers(jaxpr, graph: StrategyGraph, step: TracedStep, lmesh: LogicalMesh,
+                       opt: m.AutoShardingOption, ties, solution: Solution,
+                       memory: MemoryConstraint) -> tuple[Solution, MemoryConstraint]:
+  """The solution re-solved with the micro-batch loop's accumulators and gathered inputs
+  in the memory model. Their sizes depend on which mesh axes split the batch, itself a
+  choice of the ILP (a product of choices, not linear), so they are sized for the batch
+  axes of the solution at hand and solved again until those axes hold (twice at most).
+  If no plan fits then, the solution without them is kept: the compiled bytes decide
+  (``ParallelizedFunc`` re-plans under a tighter budget, and warns if none fits)."""
+  budget = opt.memory_budget_per_device
+  for _ in range(2):
+    axes = _batch_axes(step, tuple(graph.spec_of(v, solution.choice) for v in jaxpr.invars))
+    held = memory_constraint(jaxpr, graph, step, lmesh, graph.loop, axes)
+    if held.usage(solution.choice) <= budget:
+      return solution, held
+    try:
+      resolved = solve_ilp(graph.priced(), held, budget, opt.solver_time_limit_s, ties)
+    except errors.InfeasiblePlanError:
+      log.warning("mesh %s: no plan keeps the micro-batch loop's accumulators and gathered "
+                  "inputs within the budget (batch axes %s); the plan without them is kept",
+                  lmesh.shape, axes)
+      return solution, memory
+    solution, memory = resolved, held
+  return solution, memory
+
+
 def memory_constraint(jaxpr, graph: StrategyGraph, step: TracedStep, lmesh: LogicalMesh,
-                      loop: MicroBatchLoop | None = None) -> MemoryConstraint:
+                      loop: MicroBatchLoop | None = None,
+                      batch_axes: tuple[str, ...] | None = None) -> MemoryConstraint:
   """Per-device bytes at the heaviest positions of the step's timeline, linear in the
   choices (inside a micro-batch ``loop``, a value holds one micro-batch's share of its
   bytes). Counting every value from its equation to its last reader instead, as this
   did before, put model-parallel GPT plans 10-12% over their compiled bytes (so a budget
-  ruled out plans that fit it); the timeline's buffers are within 7% on them."""
+  ruled out plans that fit it); the timeline's buffers are within 7% on them.
+
+  ``batch_axes``: the mesh axes the ``loop``'s micro-batches are split over, if known
+  (see ``_loop_buffers``: the accumulators and gathered parameters the loop keeps)."""
   sizes = dict(zip(lmesh.axis_names, lmesh.shape))
   inputs = set(jaxpr.invars)
   share = lambda v: loop.fraction(v) if loop is not None and v not in inputs else 1.0
   timeline = Timeline(jaxpr, lambda v: nbytes(v) * share(v), lmesh.devices[0].platform)
   n = len(timeline.eqns)
-  buffers = []  # (the value whose layout sizes it, start, end, unsharded bytes)
+  # (the value whose layout sizes it, start, end, unsharded bytes, how it is sized: None
+  # by its layout, LOCAL by its layout without the batch axes, GATHERED likewise but
+  # only where the layout splits it over a batch axis)
+  buffers = []
   for label, (start, end, b) in timeline.buffers.items():
-    buffers.append((label[1] if isinstance(label, tuple) else label, start, end, b))
-  buffers += [(v, -1, n, nbytes(v)) for v in jaxpr.invars]
+    buffers.append((label[1] if isinstance(label, tuple) else label, start, end, b, None))
+  buffers += [(v, -1, n, nbytes(v), None) for v in jaxpr.invars]
+  if loop is not None and batch_axes is not None and step.marker_index is not None:
+    buffers = _loop_buffers(jaxpr, step, loop, timeline, buffers)
+  local = {a: 1 if a in (batch_axes or ()) else s for a, s in sizes.items()}
+  batch = set(batch_axes or ())
+
+  def on_device(b, spec, kind):
+    if kind == GATHERED and not batch & used_axes(spec):
+      return 0.0
+    return b / num_shards(spec, sizes if kind is None else local)
   made = {v: timeline.position[id(e)] for e in jaxpr.eqns for v in e.outvars
           if id(e) in timeline.position}
   for o, v in enumerate(jaxpr.outvars):  # output buffers, but for the donated state's
     if step.output_source[o] is None and v in made:
-      buffers.append((v, made[v], n, nbytes(v)))
+      buffers.append((v, made[v], n, nbytes(v), None))
   devices = math.prod(lmesh.shape)
   extra = [x / devices for x in timeline.extra]  # loop bodies' own peaks, split evenly
   live = np.zeros(n + 1)
-  for _, start, end, b in buffers:
+  for _, start, end, b, _ in buffers:
     live[max(start, 0):min(end, n) + 1] += b
   live[:n] += extra
-  per_group, constant = [], []
+  copies = (_hoisted_copies(jaxpr, graph, step, loop, timeline, sizes)
+            if loop is not None and batch_axes is not None and step.marker_index is not None
+            else [])
+  per_group, constant, per_edge = [], [], []
   for t in sorted(np.argsort(-live)[:MEMORY_CHECK_POINTS].tolist()):
     groups: dict[int, np.ndarray] = {}
+    pairs: dict[tuple[int, int], np.ndarray] = {}
     fixed = extra[t] if t < n else 0.0
-    for v, start, end, b in buffers:
+    for (g, h), start, end, m in copies:
+      if not start <= t <= end:
+        continue
+      if g == h:
+        groups[g] = groups.get(g, 0) + np.diag(m)
+      elif graph.group_sizes[g] == 1 or graph.group_sizes[h] == 1:
+        vec = m[0, :] if graph.group_sizes[g] == 1 else m[:, 0]
+        if len(vec) == 1:
+          fixed += float(vec[0])
+        else:
+          k = h if graph.group_sizes[g] == 1 else g
+          groups[k] = groups.get(k, 0) + vec
+      else:
+        pairs[g, h] = pairs.get((g, h), 0) + m
+    for v, start, end, b, kind in buffers:
       if not start <= t <= end:
         continue
       if v not in graph.producer:
-        fixed += b
+        fixed += b if kind is None else 0.0  # (the loop's buffers are of planned values)
         continue
       node_id, pos = graph.producer[v]
       node = graph.nodes[node_id]
-      vec = np.array([b / num_shards(s.out_specs[pos], sizes) for s in node.strategies])
+      vec = np.array([on_device(b, s.out_specs[pos], kind) for s in node.strategies])
       if graph.group_sizes[node.group] == 1:
         fixed += float(vec[0])
       else:
         groups[node.group] = groups.get(node.group, 0) + vec
     per_group.append(groups)
     constant.append(fixed)
-  return MemoryConstraint(tuple(per_group), tuple(constant))
+    per_edge.append(pairs)
+  return MemoryConstraint(tuple(per_group), tuple(constant), tuple(per_edge))
+
+
+def _hoisted_copies(jaxpr, graph: StrategyGraph, step: TracedStep, loop: MicroBatchLoop,
+                    timeline: Timeline, sizes: dict[str, int]) -> list:
+  """The resharded copies of values no batch input reaches (parameters, optimizer state
+  and what is computed from them alone), as ((source group, reader group), start, end,
+  bytes per pair of their choices): XLA computes such a copy before the micro-batch
+  loop and keeps it to its reader (to the loop's end for a reader inside it). Measured
+  on a GPT whose Adam moments the plan split but updated whole: the 31 all-gathers of
+  ``b1 * mu`` and ``b2 * nu`` ran before the loop and held 100 MB through it, which put
+  the plan 50% over the memory model that left them out."""
+  marker = jaxpr.eqns[step.marker_index]
+  pm = timeline.position.get(id(marker))
+  sources = {}
+  for flow in graph.flows:
+    src, dst = graph.nodes[flow.src], graph.nodes[flow.dst]
+    if flow.tied or dst.eqn is None or id(dst.eqn) not in timeline.position or pm is None:
+      continue
+    v = jaxpr.invars[src.input_index] if src.eqn is None else src.eqn.outvars[flow.pos]
+    sources.setdefault(v, []).append(flow)
+  # What each source reads of the inputs: a batch input (moved in the loop) or none (a
+  # constant, which XLA makes in any layout where it is read).
+  batch = sum(1 << i for i, leaf in enumerate(step.inputs) if leaf.role == BATCH)
+  held = [v for v in sources if not isinstance(v, jex.Literal)]
+  reads = dict(zip(held, jaxpr_util.dependencies(jaxpr, len(step.inputs), held)))
+  copies = []
+  for v, flows in sources.items():
+    if not reads.get(v) or reads[v] & batch:
+      continue
+    for flow in flows:
+      src, dst = graph.nodes[flow.src], graph.nodes[flow.dst]
+      m = np.zeros((graph.group_sizes[src.group], graph.group_sizes[dst.group]))
+      for a, strategy in enumerate(src.strategies[:m.shape[0]]):
+        for b, want in enumerate(flow.required[:m.shape[1]]):
+          if want is not None and want != strategy.out_specs[flow.pos]:
+            m[a, b] = flow.full_bytes / num_shards(want, sizes)
+      if m.any():
+        end = pm if loop.runs_in_loop(dst.eqn) else timeline.position[id(dst.eqn)]
+        copies.append(((src.group, dst.group), -1, end, m))
+  return copies
+
+
+LOCAL, GATHERED = "local", "gathered"
+
+
+def _loop_buffers(jaxpr, step: TracedStep, loop: MicroBatchLoop, timeline: Timeline,
+                  buffers: list) -> list:
+  """``buffers`` as the micro-batch loop keeps them (``jaxdist.accumulate`` runs it per
+  shard of the batch axes, which its values are local to):
+
+  - each gradient is added into an accumulator of its layout less the batch axes, live
+    from the loop's first equation to the gradient marker; after the loop it holds its
+    own layout (reduced over the batch axes) until its last reader, and inside the
+    loop each micro-batch's gradient dies where it is added;
+  - an input the loop reads whose layout splits it over a batch axis enters the loop
+    gathered over those axes, for the whole loop (XLA hoists the gather out of it).
+  """
+  marker = jaxpr.eqns[step.marker_index]
+  where = [timeline.position[id(e)] for e in jaxpr.eqns
+           if loop.runs_in_loop(e) and id(e) in timeline.position]
+  if not where or id(marker) not in timeline.position:
+    return buffers
+  first, pm = min(where), timeline.position[id(marker)]
+  producers = {v: e for e in jaxpr.eqns for v in e.outvars}
+  grads = {timeline.buffer_of(v): v for v in marker.invars
+           if not isinstance(v, jex.Literal) and loop.runs_in_loop(producers.get(v))}
+  out = []
+  for v, start, end, b, kind in buffers:
+    g = grads.get(v)
+    if g is None or start < 0:
+      out.append((v, start, end, b, kind))
+      continue
+    out += [(g, start, start, b, LOCAL), (g, first, pm, b, LOCAL), (g, pm, end, b, None)]
+  read = {v for e in jaxpr.eqns if loop.runs_in_loop(e) for v in e.invars
+          if not isinstance(v, jex.Literal)}
+  for v, leaf in zip(jaxpr.invars, step.inputs):
+    if leaf.role != BATCH and v in read:
+      out.append((v, first, pm, nbytes(v), GATHERED))
+  return out
 
 
 def layout_of(step: TracedStep, plan: MeshPlan, num_micro_batches: int = 1) -> Layout:

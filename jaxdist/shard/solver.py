@@ -38,19 +38,29 @@ class MemoryConstraint:
   Attributes:
     per_group: per checked point, group → bytes per choice.
     constant: per checked point, bytes independent of the choices.
+    per_edge: per checked point, (group, group) → bytes per pair of their choices (a
+      value's resharded copy: it exists where the two ends' layouts differ); empty or
+      one dict per point.
   """
 
   per_group: tuple[dict[int, np.ndarray], ...]
   constant: tuple[float, ...]
+  per_edge: tuple[dict[tuple[int, int], np.ndarray], ...] = ()
+
+  def edges(self) -> tuple[dict[tuple[int, int], np.ndarray], ...]:
+    return self.per_edge or tuple({} for _ in self.constant)
 
   def usage(self, choice) -> float:
     return max((c + sum(v[choice[g]] for g, v in groups.items())
-                for groups, c in zip(self.per_group, self.constant)), default=0.0)
+                + sum(m[choice[g], choice[h]] for (g, h), m in edges.items())
+                for groups, c, edges in zip(self.per_group, self.constant, self.edges())),
+               default=0.0)
 
   def least_possible(self) -> float:
     """A lower bound on the peak any plan reaches: each point at its own minimum."""
-    return max((c + sum(v.min() for v in groups.values())
-                for groups, c in zip(self.per_group, self.constant)), default=0.0)
+    return max((c + sum(v.min() for v in groups.values()) + sum(m.min() for m in edges.values())
+                for groups, c, edges in zip(self.per_group, self.constant, self.edges())),
+               default=0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,13 +129,21 @@ def tie(graph: StrategyGraph, memory: MemoryConstraint | None,
   combine = graph.combine.reduced(of) if graph.combine is not None else None
   reduced = StrategyGraph([], sizes, costs, edges, {}, (), combine=combine)
   if memory is not None:
-    per_group = []
-    for groups in memory.per_group:
+    per_group, per_edge = [], []
+    for groups, pairs in zip(memory.per_group, memory.edges()):
       merged: dict[int, np.ndarray] = {}
       for g, v in groups.items():
         merged[of[g]] = merged.get(of[g], 0) + v
+      joined: dict[tuple[int, int], np.ndarray] = {}
+      for (g, h), m in pairs.items():
+        a, b = of[g], of[h]
+        if a == b:
+          merged[a] = merged.get(a, 0) + np.diag(m)
+        else:
+          joined[a, b] = joined.get((a, b), 0) + m
       per_group.append(merged)
-    memory = MemoryConstraint(tuple(per_group), memory.constant)
+      per_edge.append(joined)
+    memory = MemoryConstraint(tuple(per_group), memory.constant, tuple(per_edge))
   return reduced, memory, of
 
 
@@ -154,10 +172,12 @@ def fold_free_leaves(graph: StrategyGraph, memory: MemoryConstraint | None):
         active_members[where[1]].add(("e", where[1], where[2], where[3], where[4]))
         active_members[where[2]].add(("e", where[1], where[2], where[3], where[4]))
   rows_of = collections.defaultdict(list)
+  paired = set()  # groups with bytes that depend on another group's choice: not folded
   if memory is not None:
     for r, groups in enumerate(memory.per_group):
       for g in groups:
         rows_of[g].append(r)
+    paired = {g for pairs in memory.edges() for key in pairs for g in key}
   edges = dict(graph.edge_costs)
   edges_of = collections.defaultdict(set)
   for key in edges:
@@ -168,11 +188,11 @@ def fold_free_leaves(graph: StrategyGraph, memory: MemoryConstraint | None):
   queue = [g for g in range(len(sizes)) if sizes[g] > 1 and len(edges_of[g]) == 1]
   while queue:
     g = queue.pop()
-    if g in picks or len(edges_of[g]) != 1 or sizes[g] <= 1:
+    if g in picks or g in paired or len(edges_of[g]) != 1 or sizes[g] <= 1:
       continue
     (key,) = edges_of[g]
     h = key[1] if key[0] == g else key[0]
-    if h == g:
+    if h == g or h in paired:
       continue
     cost = edges[key] if key[0] == g else edges[key].T  # g's choices × h's
     pick = []
@@ -231,7 +251,7 @@ def fold_free_leaves(graph: StrategyGraph, memory: MemoryConstraint | None):
         else:
           merged[g] = merged.get(g, 0) + v
       per_group.append(merged)
-    memory = MemoryConstraint(tuple(per_group), memory.constant)
+    memory = MemoryConstraint(tuple(per_group), memory.constant, memory.per_edge)
 
   def expand(choice):
     return tuple(int(roots[g][1][choice[roots[g][0]]]) if g in picks else c
@@ -289,10 +309,16 @@ def solve_ilp(graph: StrategyGraph, memory: MemoryConstraint | None = None,
                                          np.arange(n_x))), shape=(len(free), n_x))
   terms = graph.combine.terms if graph.combine is not None else ()
   needed = {where[1:3] for term in terms for where, _ in term.members if where[0] == "e"}
+  edge_costs = dict(graph.edge_costs)
+  if budget is not None and memory is not None:
+    for pairs in memory.edges():
+      for (g, h), m in pairs.items():
+        needed.add((g, h))
+        edge_costs.setdefault((g, h), np.zeros(m.shape))
   d_parts, e_rows, e_cols, x_rows, x_cols = [], [], [], [], []
   e_offset = {}
   n_e = n_rows = 0
-  for (g, h), m in graph.edge_costs.items():
+  for (g, h), m in edge_costs.items():
     if not np.any(m) and (g, h) not in needed:
       continue
     if g in offset and h in offset:
@@ -331,20 +357,33 @@ def solve_ilp(graph: StrategyGraph, memory: MemoryConstraint | None = None,
     objective = objective + _combined_alpha(graph, terms, x, e if n_e else None, offset,
                                             e_offset, constraints)
   if budget is not None and memory is not None:
-    rows, limits = [], []
-    for groups, const in zip(memory.per_group, memory.constant):
-      row = np.zeros(n_x)
+    rows, e_memory, limits = [], [], []
+    for groups, const, pairs in zip(memory.per_group, memory.constant, memory.edges()):
+      row, e_row = np.zeros(n_x), np.zeros(n_e)
       fixed = const
       for g, v in groups.items():
         if g in offset:
           row[offset[g]:offset[g] + len(v)] += v
         else:
           fixed += float(v[0])
-      if not row.any() and fixed > budget:
+      for (g, h), m in pairs.items():
+        if (g, h) in e_offset:
+          e_row[e_offset[g, h]:e_offset[g, h] + m.size] += m.reshape(-1)
+        elif g in offset:
+          row[offset[g]:offset[g] + m.shape[0]] += m[:, 0]
+        elif h in offset:
+          row[offset[h]:offset[h] + m.shape[1]] += m[0, :]
+        else:
+          fixed += float(m[0, 0])
+      if not row.any() and not e_row.any() and fixed > budget:
         _infeasible(memory, budget)
       rows.append(row)
+      e_memory.append(e_row)
       limits.append(budget - fixed)
-    constraints.append(np.array(rows) @ x <= np.array(limits))
+    used = np.array(rows) @ x
+    if n_e and np.any(e_memory):
+      used = used + np.array(e_memory) @ e
+    constraints.append(used <= np.array(limits))
 
   # Seconds are tiny numbers; HiGHS is better conditioned on microseconds.
   problem = cp.Problem(cp.Minimize(1e6 * objective), constraints)
