@@ -31,6 +31,7 @@ bench: $(STAMP)
 	-$(PY) bench/accumulation.py
 	-$(PY) bench/plan_time.py
 	-$(PY) bench/compare_hand.py
+	-$(PY) bench/micro_budget.py
 	-$(PY) bench/pipeline.py
 	-$(PY) bench/estimate.py
 	-$(PY) bench/tune.py
