@@ -30,8 +30,8 @@ from jaxdist.trace import (PARAM, TracedStep, gc_paused, is_array, leaf_signatur
                            with_micro_batch_trace)
 
 
-# How often ShardParallel plans again, with a tighter budget, when the compiled step
-# exceeds memory_budget_per_device.
+# How often ShardParallel plans again when the compiled step exceeds
+# memory_budget_per_device (see AutoShardingOption.memory_budget_per_device).
 BUDGET_RETRIES = 2
 
 
@@ -362,10 +362,16 @@ class ParallelizedFunc:
         if budget is None or used <= budget:
           break
         # The planner's memory model is an estimate; XLA's figure is the one to meet. Plan
-        # again with the budget scaled down by the overshoot.
-        tighter = method.options.memory_budget_per_device * budget / used * 0.99
-        method = dataclasses.replace(method, auto_sharding_option=dataclasses.replace(
-            method.options, memory_budget_per_device=tighter))
+        # again: with micro-batches, first with the loop's buffers in the model, at the
+        # budget; then with the budget scaled down by the overshoot.
+        options = method.options
+        if result[1].num_micro_batches > 1 and not options._loop_buffers:
+          options = dataclasses.replace(options, _loop_buffers=True)
+        else:
+          options = dataclasses.replace(
+              options, memory_budget_per_device=options.memory_budget_per_device * budget / used
+              * 0.99)
+        method = dataclasses.replace(method, auto_sharding_option=options)
       # None met the budget: the plan that came closest.
       used, kept, step, layout, shard_plan, compiled = best
     predicted = None
@@ -376,7 +382,7 @@ class ParallelizedFunc:
     plan = make_plan(self.method.name, step, layout, shard_plan, predicted)
     if budget is not None:
       note = (f"memory_budget_per_device={budget:.0f}: compiled {used:.0f} bytes per device"
-              + (f" after {replans} re-plan(s) with a tighter budget" if replans else ""))
+              + (f" after {replans} re-plan(s)" if replans else ""))
       if used > budget:
         if kept != replans:
           note += f" (the plan of attempt {kept + 1} kept: the smallest compiled)"

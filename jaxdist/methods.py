@@ -124,8 +124,11 @@ class AutoShardingOption:
     force_zero_stage_3: keep parameters and optimizer state sharded.
     memory_budget_per_device: bytes each device may use at its peak (arguments,
       outputs and live temporaries, as the planner estimates them); None: no limit. A
-      compiled step over it is planned again with a tighter budget (at most twice); if
-      none fits, the smallest runs, with a warning and a note in the plan.
+      compiled step over it is planned again, at most twice: with micro-batches first
+      with the loop's gradient accumulators, gathered inputs and hoisted copies in the
+      planner's memory model (slower to solve, so only when needed), then with the budget
+      scaled down by the overshoot. If none fits, the smallest runs, with a warning and
+      a note in the plan.
     partition_constraints: parameter-path pattern → ``PartitionSpec``. A pattern is
       a glob on the leaf path where only ``*`` and ``?`` are wildcards
       (``state.params*kernel``, ``state.params['params']['Dense_0']['bias']``);
@@ -156,6 +159,10 @@ class AutoShardingOption:
   solver_time_limit_s: float | None = None
   share_repeated_layers: bool = True
   plan_cache: bool = True
+  # Set by ParallelizedFunc when a micro-batched plan compiled over the budget: the
+  # memory model then holds the loop's accumulators, gathered inputs and hoisted copies
+  # (exact enough to fit, but its solves are slower; jaxdist.shard.planner).
+  _loop_buffers: bool = False
 
   def _validate(self):
     if self.solver not in SOLVERS:

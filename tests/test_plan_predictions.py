@@ -564,7 +564,7 @@ def test_when_no_re_plan_meets_the_budget_the_smallest_compile_is_kept(monkeypat
   assert len(compiles) == 3 and exe._compiled is compiles[0]
   assert exe.plan.notes[-1] == (
       "memory_budget_per_device=100000000: compiled 120000000 bytes per device after 2 "
-      "re-plan(s) with a tighter budget (the plan of attempt 1 kept: the smallest compiled)")
+      "re-plan(s) (the plan of attempt 1 kept: the smallest compiled)")
   _, loss = exe(state, data)
   assert abs(float(loss["loss"]) - float(jax.jit(models.regression_step())(state, data)[1]["loss"])) < 1e-5
 
