@@ -19,8 +19,8 @@ import jaxdist as jd
 from jaxdist import errors, models
 from jaxdist.shard import planner
 from jaxdist.shard.graph import Node, StrategyGraph
-from jaxdist.shard.solver import (MemoryConstraint, fold_free_leaves, solve_brute_force,
-                                  solve_ilp)
+from jaxdist.shard.solver import (MemoryConstraint, fold_free_leaves, objective_of,
+                                  solve_brute_force, solve_ilp)
 from jaxdist.shard.strategies import Strategy
 from helpers import assert_trees_close, to_host
 
@@ -58,6 +58,32 @@ def test_ilp_optimum_under_a_memory_budget_equals_brute_force():
   assert memory.usage(ilp.choice) <= budget + 1e-9
   with pytest.raises(errors.InfeasiblePlanError, match="least any plan needs"):
     solve_ilp(graph, memory, budget=memory.least_possible() * 0.5)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_ilp_optimum_with_memory_on_pairs_of_choices_equals_brute_force(tied):
+  """Bytes that depend on two groups' choices (a resharded copy: ``per_edge``, on the
+  ILP's edge variables), also between tied groups or groups without a cost edge: the
+  budget lies between the cheapest plan's bytes without those terms and with them, so an
+  ILP that dropped them would pick it; the ILP gives the brute-force optimum instead."""
+  rng = np.random.default_rng(63)  # (a graph where both assertions below hold)
+  graph = _random_graph(rng, num_groups=5, max_choices=3, num_edges=6)
+  sizes = graph.group_sizes
+  groups = tuple({g: rng.random(n) for g, n in enumerate(sizes)} for _ in range(2))
+  pairs = tuple({(g, h): rng.random((sizes[g], sizes[h])) * 5 for g, h in [(0, 1), (2, 4), (3, 0)]}
+                for _ in range(2))
+  memory, bare = MemoryConstraint(groups, (1.0, 0.5), pairs), MemoryConstraint(groups, (1.0, 0.5))
+  ties = [0, 1, 2, 3, 2] if tied else None  # group 4 takes group 2's choice
+  choices = [c for c in itertools.product(*[range(n) for n in sizes])
+             if ties is None or c[4] == c[2]]
+  cheapest = min(choices, key=lambda c: objective_of(graph, c))
+  budget = (bare.usage(cheapest) + memory.usage(cheapest)) / 2
+  assert bare.usage(cheapest) < budget < memory.usage(cheapest)
+  best = min((c for c in choices if memory.usage(c) <= budget), key=lambda c: objective_of(graph, c))
+  ilp = solve_ilp(graph, memory, budget, ties=ties)
+  assert memory.usage(ilp.choice) <= budget + 1e-9
+  assert ilp.objective == pytest.approx(objective_of(graph, best), rel=1e-6, abs=1e-9)
+  assert memory.least_possible() <= min(memory.usage(c) for c in choices)
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -869,8 +869,8 @@ def _hoisted_copies(jaxpr, graph: StrategyGraph, step: TracedStep, loop: MicroBa
   # What each source reads of the inputs: a batch input (moved in the loop) or none (a
   # constant, which XLA makes in any layout where it is read).
   batch = sum(1 << i for i, leaf in enumerate(step.inputs) if leaf.role == BATCH)
-  held = [v for v in sources if not isinstance(v, jex.Literal)]
-  reads = dict(zip(held, jaxpr_util.dependencies(jaxpr, len(step.inputs), held)))
+  values = [v for v in sources if not isinstance(v, jex.Literal)]
+  reads = dict(zip(values, jaxpr_util.dependencies(jaxpr, len(step.inputs), values)))
   copies = []
   for v, flows in sources.items():
     if not reads.get(v) or reads[v] & batch:
