@@ -217,7 +217,7 @@ def method_to_dict(method) -> dict:
       value = {"plan": json.loads(value.to_json())}
     elif isinstance(value, m.AutoShardingOption):
       value = {"auto_sharding_option": {k: v for k, v in dataclasses.asdict(value).items()
-                                        if k != "partition_constraints"}}
+                                        if k != "partition_constraints" and k[0] != "_"}}
     elif isinstance(value, AutoLayerOption):
       value = {"auto_layer_option": dataclasses.asdict(value)}
     elif isinstance(value, m.UniformStageOption):
