@@ -165,6 +165,8 @@ def jax_floor(exe, rounds: int = 300) -> tuple[float, float, float]:
   made = {v: a for st in exe.stages for v, a in zip(st.acts_out, st.out_avals)}
   for st in exe.stages:  # each activation a stage reads, from its producer's layout
     for v, a in zip(st.acts_in, st.in_avals):
+      if v not in made:  # (read from before the pipeline, not from a stage)
+        continue
       x = place([made[v]])[0]
       copies.append(cpu_us(lambda: jax.device_put(x, a.sharding)))
   moved = sum(len(st.acts_in) + len(st.float_in) for st in exe.stages)

@@ -787,7 +787,8 @@ def memory_constraint(jaxpr, graph: StrategyGraph, step: TracedStep, lmesh: Logi
   for label, (start, end, b) in timeline.buffers.items():
     buffers.append((label[1] if isinstance(label, tuple) else label, start, end, b, None))
   buffers += [(v, -1, n, nbytes(v), None) for v in jaxpr.invars]
-  if loop is not None and batch_axes is not None and step.marker_index is not None:
+  held = loop is not None and batch_axes is not None and step.marker_index is not None
+  if held:
     buffers = _loop_buffers(jaxpr, step, loop, timeline, buffers)
   local = {a: 1 if a in (batch_axes or ()) else s for a, s in sizes.items()}
   batch = set(batch_axes or ())
@@ -807,9 +808,7 @@ def memory_constraint(jaxpr, graph: StrategyGraph, step: TracedStep, lmesh: Logi
   for _, start, end, b, _ in buffers:
     live[max(start, 0):min(end, n) + 1] += b
   live[:n] += extra
-  copies = (_hoisted_copies(jaxpr, graph, step, loop, timeline, sizes)
-            if loop is not None and batch_axes is not None and step.marker_index is not None
-            else [])
+  copies = _hoisted_copies(jaxpr, graph, step, loop, timeline, sizes) if held else []
   per_group, constant, per_edge = [], [], []
   for t in sorted(np.argsort(-live)[:MEMORY_CHECK_POINTS].tolist()):
     groups: dict[int, np.ndarray] = {}
@@ -857,12 +856,13 @@ def _hoisted_copies(jaxpr, graph: StrategyGraph, step: TracedStep, loop: MicroBa
   on a GPT whose Adam moments the plan split but updated whole: the 31 all-gathers of
   ``b1 * mu`` and ``b2 * nu`` ran before the loop and held 100 MB through it, which put
   the plan 50% over the memory model that left them out."""
-  marker = jaxpr.eqns[step.marker_index]
-  pm = timeline.position.get(id(marker))
+  pm = timeline.position.get(id(jaxpr.eqns[step.marker_index]))
+  if pm is None:
+    return []
   sources = {}
   for flow in graph.flows:
     src, dst = graph.nodes[flow.src], graph.nodes[flow.dst]
-    if flow.tied or dst.eqn is None or id(dst.eqn) not in timeline.position or pm is None:
+    if flow.tied or dst.eqn is None or id(dst.eqn) not in timeline.position:
       continue
     v = jaxpr.invars[src.input_index] if src.eqn is None else src.eqn.outvars[flow.pos]
     sources.setdefault(v, []).append(flow)
