@@ -50,6 +50,7 @@ from jaxdist.trace import BATCH, OPTIMIZER, PARAM, TracedStep
 
 MEMORY_CHECK_POINTS = 8
 LOOP_BUFFERS_TIME_LIMIT_S = 20.0
+TIME_LIMITED = ("time_limit", "over_budget")  # solutions another run may better
 log = logging.getLogger("jaxdist.plan")
 
 
@@ -241,7 +242,8 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
       objectives[name] = plan.solution.objective
   if not plans:
     raise infeasible[0][1]
-  best = min(plans, key=lambda p: p.solution.objective)
+  # A plan over the budget (a time limit hit before any within it was found) ranks last.
+  best = min(plans, key=lambda p: (p.solution.status == "over_budget", p.solution.objective))
   predictions = [combine.predict(p.graph, p.solution.choice, p.cost_model) for p in plans]
   predicted = predictions[plans.index(best)]
   notes = [f"mesh {_describe(p, pred)}" for p, pred in zip(plans, predictions)]
@@ -332,7 +334,7 @@ def _store_result(opt, digest: str, plans: list[MeshPlan], result: ShardPlanResu
                   long_scans: bool) -> None:
   """Caches a search's result (not when a solve stopped at its time limit: another run
   may do better)."""
-  if not opt.plan_cache or any(p.solution.status == "time_limit" for p in plans):
+  if not opt.plan_cache or any(p.solution.status in TIME_LIMITED for p in plans):
     return
   layout = result.layout
   cache.store_result(digest, {
@@ -540,7 +542,9 @@ def _describe(plan: MeshPlan, predicted: dict) -> str:
   ops = ", ".join(f"{int(c['count'])} {kind}" for kind, c in sorted(predicted.items())) or "none"
   return (f"{'x'.join(map(str, plan.lmesh.shape))} {plan.lmesh.axis_names}: "
           f"{plan.solution.objective * 1e3:.4g} ms predicted, "
-          f"{communication_seconds(plan) * 1e3:.4g} ms of it communication ({ops})")
+          f"{communication_seconds(plan) * 1e3:.4g} ms of it communication ({ops})"
+          + ("; over the memory budget: the solver's time limit ended before it found a plan "
+             "within it" if plan.solution.status == "over_budget" else ""))
 
 
 def _input_choices(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
@@ -713,7 +717,7 @@ def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
     choice, objective, status = agree.process_zeros(
         [list(solution.choice), solution.objective, solution.status])
     solution = Solution(tuple(choice), objective, status)
-  if opt.plan_cache and solution != loaded and solution.status != "time_limit":
+  if opt.plan_cache and solution != loaded and solution.status not in TIME_LIMITED:
     cache.store(digest, solution)
   if memory is not None:
     log.info("mesh %s: the plan's peak by the planner's memory model: %.0f bytes per device "

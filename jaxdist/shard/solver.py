@@ -70,7 +70,9 @@ class Solution:
   Attributes:
     choice: per group, the index of its strategy.
     objective: predicted seconds (the ILP objective).
-    status: "optimal", "time_limit" (best found in the time allowed) or "trivial".
+    status: "optimal", "time_limit" (best found in the time allowed), "over_budget"
+      (the time allowed ended before any plan within the memory budget was found: the
+      choice is the solver's last one, over the budget) or "trivial".
   """
 
   choice: tuple[int, ...]
@@ -393,14 +395,26 @@ def solve_ilp(graph: StrategyGraph, memory: MemoryConstraint | None = None,
     _infeasible(memory, budget)
   if problem.status not in (cp.OPTIMAL, cp.OPTIMAL_INACCURATE, cp.USER_LIMIT) or x.value is None:
     raise RuntimeError(f"HiGHS returned status {problem.status!r} without a solution")
-  status = "optimal"
-  if problem.status == cp.USER_LIMIT:
-    status = "time_limit"
-    warnings.warn(f"the sharding ILP hit its time limit ({time_limit_s} s); using the best plan "
-                  f"found so far (raise AutoShardingOption.solver_time_limit_s for a better one).",
-                  errors.JaxdistWarning, stacklevel=3)
   choice = tuple(int(np.argmax(x.value[offset[g]:offset[g] + graph.group_sizes[g]]))
                  if g in offset else 0 for g in range(len(graph.group_sizes)))
+  status = "optimal"
+  if problem.status == cp.USER_LIMIT:
+    # Without an incumbent HiGHS still hands back its last (fractional, rounded) point,
+    # which need not meet the budget: a time limit of 0.05 s on a tight budget gave
+    # choices at 1.7-1.9x of it.
+    used = memory.usage(choice) if budget is not None and memory is not None else None
+    if used is not None and used > budget * (1 + 1e-9) + 1e-9:
+      status = "over_budget"
+      warnings.warn(f"the sharding ILP hit its time limit ({time_limit_s} s) before it found a "
+                    f"plan within memory_budget_per_device={budget:.0f} bytes; using its last "
+                    f"one, which needs {used:.0f} bytes by the planner's model (raise "
+                    f"AutoShardingOption.solver_time_limit_s).", errors.JaxdistWarning,
+                    stacklevel=3)
+    else:
+      status = "time_limit"
+      warnings.warn(f"the sharding ILP hit its time limit ({time_limit_s} s); using the best "
+                    f"plan found so far (raise AutoShardingOption.solver_time_limit_s for a "
+                    f"better one).", errors.JaxdistWarning, stacklevel=3)
   return Solution(choice, objective_of(graph, choice), status)
 
 
