@@ -12,7 +12,9 @@ temporaries), per device:
   them on this backend: combined all-reduces keep every operand until the last one is
   ready and then allocate all results; a reduce-scatter (ZeRO) frees each gradient as
   it is produced; gradient accumulation keeps one accumulator of local gradients; a
-  ZeRO-3 parameter is gathered around each equation reading it.
+  ZeRO-3 parameter is gathered around each equation reading it; a micro-batched shard
+  plan's copies of values no batch input reaches (a moment split but updated whole) are
+  made before the loop and kept to their reader.
 
 Step time is compute (dot and convolution flops at the device's peak, times a factor
 fitted by :func:`calibrate` where a profile exists) plus the plan's collectives under the
@@ -277,13 +279,14 @@ def estimate_planned(method: m.Method, planned, micro_step, calibrated: bool = T
     work = _shard_parallel(planned)
   else:
     closed = micro_step()
-    size, gathered = _update_sizes(closed, layout), None
+    size, gathered, hoisted = _update_sizes(closed, layout), None, None
     if planned.shard_plan is not None:
       size = _micro_sizes(planned)
       gathered = {i: size(v) for i, v in enumerate(closed.jaxpr.invars)
                   if planned.traced.inputs[i].role == PARAM
                   and _splits_over(layout.in_specs[i], layout.batch_axes)}
-    work = _split_step(planned, closed, size, gathered)
+      hoisted = _hoisted_copies(planned, gathered)
+    work = _split_step(planned, closed, size, gathered, hoisted)
     if planned.shard_plan is not None:
       work = dataclasses.replace(work, flops=_planned_flops(planned.shard_plan.mesh_plan))
   notes += work.notes
@@ -382,9 +385,11 @@ def _micro_step(func, planned, args):
                                 n * layout.num_micro_batches).micro_jaxpr
 
 
-def _split_step(planned, closed, size=nbytes, gathered_inputs=None):
+def _split_step(planned, closed, size=nbytes, gathered_inputs=None, hoisted=None):
   """Temporaries of a step whose gradients the layout reduces itself (``jaxdist.grad``'s
-  marker) or XLA reduces (no marker), walked on one device's micro-batch program."""
+  marker) or XLA reduces (no marker), walked on one device's micro-batch program.
+  ``gathered_inputs``: bytes per input position the gradient part reads gathered;
+  ``hoisted``: the copies made before the loop (:func:`_hoisted_copies`)."""
   layout = planned.layout
   lmesh, k = layout.logical_mesh, layout.num_micro_batches
   timeline = Timeline(closed.jaxpr, size, lmesh.devices[0].platform)
@@ -431,6 +436,10 @@ def _split_step(planned, closed, size=nbytes, gathered_inputs=None):
       for pos, nb in gathered_inputs.items():
         timeline.add(("gathered input", pos), first, pm, nb)
         labels[("gathered input", pos)] = "temporaries"
+    for n, (reader, nb) in enumerate(hoisted or ()):
+      end = pm if reader is None else timeline.position.get(id(jaxpr.eqns[reader]), pm)
+      timeline.add(("hoisted", n), 0, end, nb)
+      labels[("hoisted", n)] = "temporaries"
     if layout.stream_inputs:
       # ZeRO-3: each parameter is gathered (whole) around every equation reading it.
       streamed = {jaxpr.invars[i] for i in layout.stream_inputs}
@@ -674,6 +683,43 @@ def _micro_sizes(planned):
   shards = {mv: num_shards(graph.spec_of(fv, choice), sizes)
             for fv, mv in pairs if fv in graph.producer}
   return lambda v: nbytes(v) / shards.get(v, 1)
+
+
+def _hoisted_copies(planned, gathered: dict) -> list[tuple[int | None, float]]:
+  """The resharded copies XLA makes before the micro-batch loop under a shard plan
+  (``planner.hoisted_flows``), per copy: its reader's index in the micro-batch program
+  (None for a reader inside the loop, or one without a counterpart there: kept to the
+  loop's end) and its bytes per device. The loop's readers of the ``gathered`` inputs
+  (by position) read those: they are not copies of their own."""
+  from jaxdist.shard.micro import looped_eqns
+  from jaxdist.shard.planner import hoisted_flows
+  result = planned.shard_plan
+  graph, choice, lmesh = (result.mesh_plan.graph, result.mesh_plan.solution.choice,
+                          result.mesh_plan.lmesh)
+  full = result.step.closed_jaxpr.jaxpr
+  if result.step.marker_index is None or planned.step.micro_jaxpr is None:
+    return []
+  looped = looped_eqns(full, result.step)  # (graph.loop would trace the micro-batch step)
+  index = {id(e): i for i, e in enumerate(full.eqns)}
+  sizes = dict(zip(lmesh.axis_names, lmesh.shape))
+  made = {}  # (source, its output, layout) -> [last reader's index (None: in the loop), bytes]
+  for flow in hoisted_flows(full, graph, result.step, lambda e: id(e) in index):
+    src, dst = graph.nodes[flow.src], graph.nodes[flow.dst]
+    want = flow.required[choice[dst.group]]
+    if src.eqn is None and src.input_index in gathered and id(dst.eqn) in looped:
+      continue
+    if want is not None and want != src.strategies[choice[src.group]].out_specs[flow.pos]:
+      # One copy per value and layout, however many read it.
+      copy = made.setdefault((flow.src, flow.pos, want),
+                             [-1, flow.full_bytes / num_shards(want, sizes)])
+      if copy[0] is not None:
+        copy[0] = None if id(dst.eqn) in looped else max(copy[0], index[id(dst.eqn)])
+  copies = [tuple(c) for c in made.values()]
+  if any(reader is not None for reader, _ in copies):  # (aligning takes 0.1-0.4 s on a GPT)
+    micro = planned.step.micro_jaxpr.jaxpr
+    in_micro = {i: j for j, i in jaxpr_util.align(micro.eqns, full.eqns).items()}
+    copies = [(None if i is None else in_micro.get(i), b) for i, b in copies]
+  return copies
 
 
 def _compute_shards(strategy, sizes, out_shards) -> int:

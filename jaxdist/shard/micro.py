@@ -97,18 +97,12 @@ def micro_batch_loop(jaxpr, step, micro_jaxpr, k: int) -> MicroBatchLoop:
   marker at ``step.marker_index``) from ``micro_jaxpr``: the same step traced at 1/k of
   the batch and inlined alike. Equations the two traces do not line up (jax special-cases
   a size-1 dimension) count as carrying the batch dimension if a batch value reaches them."""
-  marker = jaxpr.eqns[step.marker_index]
-  needed = jaxpr_util.needed_eqns(jaxpr, marker.invars)
-  varying = batch_varying(jaxpr, step, [v for i in needed for v in jaxpr.eqns[i].outvars
-                                        if not isinstance(v, jex.DropVar)])
+  looped, varying = _looped(jaxpr, step)
   micro_eqns = micro_jaxpr.jaxpr.eqns
   to_micro = {j: i for i, j in jaxpr_util.align(micro_eqns, jaxpr.eqns).items()}
-  shapes, looped = {}, set()
-  for j in needed:
+  shapes = {}
+  for j in looped:
     eqn = jaxpr.eqns[j]
-    if not any(v in varying for v in eqn.outvars):
-      continue
-    looped.add(id(eqn))
     twin = micro_eqns[to_micro[j]] if j in to_micro else None
     if twin is not None and len(twin.outvars) != len(eqn.outvars):
       twin = None
@@ -119,4 +113,20 @@ def micro_batch_loop(jaxpr, step, micro_jaxpr, k: int) -> MicroBatchLoop:
   for v, leaf in zip(jaxpr.invars, step.inputs):
     if leaf.role == BATCH and leaf.shape:
       shapes[v] = (leaf.shape[0] // k,) + tuple(leaf.shape[1:])
-  return MicroBatchLoop(k, frozenset(looped), shapes)
+  return MicroBatchLoop(k, frozenset(id(jaxpr.eqns[j]) for j in looped), shapes)
+
+
+def looped_eqns(jaxpr, step) -> frozenset:
+  """``MicroBatchLoop.looped`` without the micro-batch trace: the ids of the equations
+  the gradient marker needs that a batch value reaches."""
+  return frozenset(id(jaxpr.eqns[j]) for j in _looped(jaxpr, step)[0])
+
+
+def _looped(jaxpr, step) -> tuple[list[int], set]:
+  """The indices of the looped equations, and the batch-varying values among the
+  marker's needs."""
+  marker = jaxpr.eqns[step.marker_index]
+  needed = jaxpr_util.needed_eqns(jaxpr, marker.invars)
+  varying = batch_varying(jaxpr, step, [v for i in needed for v in jaxpr.eqns[i].outvars
+                                        if not isinstance(v, jex.DropVar)])
+  return [j for j in needed if any(v in varying for v in jaxpr.eqns[j].outvars)], varying

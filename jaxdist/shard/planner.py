@@ -853,43 +853,48 @@ def memory_constraint(jaxpr, graph: StrategyGraph, step: TracedStep, lmesh: Logi
 
 def _hoisted_copies(jaxpr, graph: StrategyGraph, step: TracedStep, loop: MicroBatchLoop,
                     timeline: Timeline, sizes: dict[str, int]) -> list:
-  """The resharded copies of values no batch input reaches (parameters, optimizer state
-  and what is computed from them alone), as ((source group, reader group), start, end,
-  bytes per pair of their choices): XLA computes such a copy before the micro-batch
-  loop and keeps it to its reader (to the loop's end for a reader inside it). Measured
-  on a GPT whose Adam moments the plan split but updated whole: the 31 all-gathers of
-  ``b1 * mu`` and ``b2 * nu`` ran before the loop and held 100 MB through it, which put
-  the plan 50% over the memory model that left them out."""
+  """The resharded copies of :func:`hoisted_flows`, as ((source group, reader group),
+  start, end, bytes per pair of their choices): live from the program's start to the
+  reader (to the loop's end for a reader inside it). Measured on a GPT whose Adam
+  moments the plan split but updated whole: the 31 all-gathers of ``b1 * mu`` and
+  ``b2 * nu`` ran before the loop and held 100 MB through it, which put the plan 50% over
+  the memory model that left them out."""
   pm = timeline.position.get(id(jaxpr.eqns[step.marker_index]))
   if pm is None:
     return []
+  copies = []
+  for flow in hoisted_flows(jaxpr, graph, step, lambda e: id(e) in timeline.position):
+    src, dst = graph.nodes[flow.src], graph.nodes[flow.dst]
+    m = np.zeros((graph.group_sizes[src.group], graph.group_sizes[dst.group]))
+    for a, strategy in enumerate(src.strategies[:m.shape[0]]):
+      for b, want in enumerate(flow.required[:m.shape[1]]):
+        if want is not None and want != strategy.out_specs[flow.pos]:
+          m[a, b] = flow.full_bytes / num_shards(want, sizes)
+    if m.any():
+      end = pm if loop.runs_in_loop(dst.eqn) else timeline.position[id(dst.eqn)]
+      copies.append(((src.group, dst.group), -1, end, m))
+  return copies
+
+
+def hoisted_flows(jaxpr, graph: StrategyGraph, step: TracedStep, in_program) -> list:
+  """The flows into readers (equations where ``in_program(eqn)``) of values no batch
+  input reaches: parameters, optimizer state and what is computed from them alone, but
+  not constants (XLA makes those in any layout where they are read). Where the reader
+  wants another layout than the source's, XLA computes the copy before the micro-batch
+  loop and keeps it to its reader: on XLA:CPU every all-gather of such a value came at the
+  start of the program."""
   sources = {}
   for flow in graph.flows:
     src, dst = graph.nodes[flow.src], graph.nodes[flow.dst]
-    if flow.tied or dst.eqn is None or id(dst.eqn) not in timeline.position:
+    if flow.tied or dst.eqn is None or not in_program(dst.eqn):
       continue
     v = jaxpr.invars[src.input_index] if src.eqn is None else src.eqn.outvars[flow.pos]
     sources.setdefault(v, []).append(flow)
-  # What each source reads of the inputs: a batch input (moved in the loop) or none (a
-  # constant, which XLA makes in any layout where it is read).
   batch = sum(1 << i for i, leaf in enumerate(step.inputs) if leaf.role == BATCH)
   values = [v for v in sources if not isinstance(v, jex.Literal)]
   reads = dict(zip(values, jaxpr_util.dependencies(jaxpr, len(step.inputs), values)))
-  copies = []
-  for v, flows in sources.items():
-    if not reads.get(v) or reads[v] & batch:
-      continue
-    for flow in flows:
-      src, dst = graph.nodes[flow.src], graph.nodes[flow.dst]
-      m = np.zeros((graph.group_sizes[src.group], graph.group_sizes[dst.group]))
-      for a, strategy in enumerate(src.strategies[:m.shape[0]]):
-        for b, want in enumerate(flow.required[:m.shape[1]]):
-          if want is not None and want != strategy.out_specs[flow.pos]:
-            m[a, b] = flow.full_bytes / num_shards(want, sizes)
-      if m.any():
-        end = pm if loop.runs_in_loop(dst.eqn) else timeline.position[id(dst.eqn)]
-        copies.append(((src.group, dst.group), -1, end, m))
-  return copies
+  return [flow for v, flows in sources.items() if reads.get(v) and not reads[v] & batch
+          for flow in flows]
 
 
 LOCAL, GATHERED = "local", "gathered"
