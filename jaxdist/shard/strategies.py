@@ -231,19 +231,30 @@ def _elementwise(eqn, produced, freedom, expanded=lambda v: False) -> Follow | N
     vs = _shape(v)
     return None if len(vs) != len(shape) else tuple(a == b for a, b in zip(vs, shape))
 
-  lead_full = full_dims(eqn.invars[lead])
-  in_full = [full_dims(v) for v in eqn.invars]
-  out_full = [full_dims(v) for v in eqn.outvars]
   ranks = [len(_shape(v)) for v in eqn.invars]
   name = eqn.primitive.name
 
+  def part(f, rank=0):
+    """How a spec becomes an operand's or output's, decided once (the mapper runs for
+    every choice of every elementwise equation): replicated (another rank), whole, or
+    without its broadcast dims."""
+    return ("replicated", replicated(rank)) if f is None else \
+        ("whole", None) if all(f) else ("masked", f)
+
+  def cut(spec, how):
+    kind, x = how
+    return (x if kind == "replicated" else spec if kind == "whole"
+            else tuple(a if k else () for a, k in zip(spec, x)))
+
+  lead_part = part(full_dims(eqn.invars[lead]))
+  in_parts = [part(full_dims(v), r) for v, r in zip(eqn.invars, ranks)]
+  out_parts = [part(full_dims(v)) for v in eqn.outvars]
+
   def mapper(spec):
     # The split of a dim carries over only where the followed operand is full-size.
-    spec = tuple(a if f else () for a, f in zip(spec, lead_full))
-    ins = tuple(replicated(r) if f is None else tuple(a if k else () for a, k in zip(spec, f))
-                for f, r in zip(in_full, ranks))
-    outs = tuple(tuple(a if k else () for a, k in zip(spec, f)) for f in out_full)
-    return Strategy(name, outs, ins)
+    spec = cut(spec, lead_part)
+    return Strategy(name, tuple(cut(spec, p) for p in out_parts),
+                    tuple(cut(spec, p) for p in in_parts))
 
   return Follow(lead, mapper)
 
