@@ -50,7 +50,7 @@ from jaxdist.trace import BATCH, OPTIMIZER, PARAM, TracedStep
 
 MEMORY_CHECK_POINTS = 8
 LOOP_BUFFERS_TIME_LIMIT_S = 20.0
-TIME_LIMITED = ("time_limit", "over_budget")  # solutions another run may better
+TIME_LIMITED = ("time_limit", "over_budget")  # solutions another run may improve on
 log = logging.getLogger("jaxdist.plan")
 
 
