@@ -116,3 +116,21 @@ def contrastive():
     return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {"loss": loss}
 
   return step, make_state, batch
+
+
+def budgeted_gpt(vocab: int, width: int, fraction: float):
+  """A 2-block GPT (Adam, batch 32, k=4) on one NVLink node's costs, with ShardParallel
+  under a budget of ``fraction`` x DataParallel's compiled bytes: (step, state, batch,
+  the parallelized step, the budget)."""
+  from jaxdist import models
+  config = models.GPTConfig(vocab=vocab, width=width, heads=4, depth=2, seq_len=32)
+  batch = models.token_batch(32, config)
+  state = models.create_state(models.GPT(config), batch["tokens"][:, :-1], tx=optax.adam(1e-3))
+  step = models.lm_step(jd.value_and_grad)
+  mesh = jd.LogicalMesh((8,), alpha=10e-6, beta=1 / 450e9)
+  dp = jd.parallelize(step, method=jd.DataParallel(devices=mesh, num_micro_batches=4))
+  budget = fraction * dp.get_executable(state, batch).get_total_allocation_size()
+  f = jd.parallelize(step, method=jd.ShardParallel(
+      devices=mesh, num_micro_batches=4, auto_sharding_option=jd.AutoShardingOption(
+          memory_budget_per_device=budget, plan_cache=False)))
+  return step, state, batch, f, budget

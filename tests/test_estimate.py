@@ -18,7 +18,7 @@ from flax.training import train_state
 
 import jaxdist as jd
 from jaxdist import calibration, cli, errors, models
-from helpers import dropout_net, make_step_script
+from helpers import budgeted_gpt, dropout_net, make_step_script
 
 TOLERANCE = {"DataParallel": 0.02, "Zero2Parallel": 0.20, "Zero3Parallel": 0.20,
              "ShardParallel": 0.20}
@@ -117,16 +117,7 @@ def test_a_micro_batched_shard_plan_counts_the_copies_made_before_its_loop():
   the first plan is estimated on its own.)"""
   from jaxdist.estimate import _micro_step, estimate_planned
   from jaxdist.executable import allocation_bytes, compile_layout
-  config = models.GPTConfig(vocab=1024, width=256, heads=4, depth=2, seq_len=32)
-  batch = models.token_batch(32, config)
-  state = models.create_state(models.GPT(config), batch["tokens"][:, :-1], tx=optax.adam(1e-3))
-  step = models.lm_step(jd.value_and_grad)
-  mesh = jd.LogicalMesh((8,), alpha=10e-6, beta=1 / 450e9)
-  dp = jd.parallelize(step, method=jd.DataParallel(devices=mesh, num_micro_batches=4))
-  budget = 0.6 * dp.get_executable(state, batch).get_total_allocation_size()
-  f = jd.parallelize(step, method=jd.ShardParallel(
-      devices=mesh, num_micro_batches=4, auto_sharding_option=jd.AutoShardingOption(
-          memory_budget_per_device=budget, plan_cache=False)))
+  _, state, batch, f, _ = budgeted_gpt(vocab=1024, width=256, fraction=0.6)
   planned = f.planned(state, batch)
   est = estimate_planned(f.method, planned, lambda: _micro_step(f, planned, (state, batch)))
   compiled = allocation_bytes(compile_layout(planned.step, planned.layout))

@@ -22,7 +22,7 @@ from jaxdist.shard.graph import Node, StrategyGraph
 from jaxdist.shard.solver import (MemoryConstraint, fold_free_leaves, objective_of,
                                   solve_brute_force, solve_ilp)
 from jaxdist.shard.strategies import Strategy
-from helpers import assert_trees_close, to_host
+from helpers import assert_trees_close, budgeted_gpt, to_host
 
 
 def _random_graph(rng, num_groups, max_choices, num_edges):
@@ -295,16 +295,7 @@ def test_a_micro_batched_plan_holds_its_accumulators_within_the_budget():
   scaled budgets, the same model) compiled 1.38x over the budget. ``jd.estimate`` plans
   again too and estimates the plan the compile ends with (7.63 MB against 7.38 compiled;
   it gave the first plan's 9.54 MB, over the budget of 7.46)."""
-  config = models.GPTConfig(vocab=512, width=128, heads=4, depth=2, seq_len=32)
-  batch = models.token_batch(32, config)
-  state = models.create_state(models.GPT(config), batch["tokens"][:, :-1], tx=optax.adam(1e-3))
-  step = models.lm_step(jd.value_and_grad)
-  mesh = jd.LogicalMesh((8,), alpha=10e-6, beta=1 / 450e9)
-  dp = jd.parallelize(step, method=jd.DataParallel(devices=mesh, num_micro_batches=4))
-  budget = 0.7 * dp.get_executable(state, batch).get_total_allocation_size()
-  f = jd.parallelize(step, method=jd.ShardParallel(
-      devices=mesh, num_micro_batches=4, auto_sharding_option=jd.AutoShardingOption(
-          memory_budget_per_device=budget, plan_cache=False)))
+  step, state, batch, f, budget = budgeted_gpt(vocab=512, width=128, fraction=0.7)
   with warnings.catch_warnings():
     warnings.simplefilter("error", errors.JaxdistWarning)
     # The estimate plans again as the compile will (its first plan estimated over the budget).
