@@ -24,6 +24,15 @@ bytes``). Estimates on a mesh at its device kind's default costs use them for th
 communication time (on 8 simulated CPU devices α is ~0.2 ms and β ~1 ns/byte, where the
 CPU defaults, a stand-in for a fast link, say 0.1 µs and 0.01 ns/byte).
 
+A profile also measures what the devices lose waiting for each other at a collective:
+chains of matrix products on every device, with and without a 4-byte all-reduce after
+each, at two sizes. Beyond α, each all-reduce then cost a share of the compute since the
+previous one, up to a cap: on 8 simulated CPU devices sharing 2 cores, 0.37 ms after
+1.5 ms of compute and 1.8 ms after 10.7 ms. A plan with many collectives between short
+computations (ZeRO-2's 141 per step on a GPT) loses that at each one; estimates on the
+profile's devices add ``min(sync_fraction · compute, collectives · sync_cap_s)`` to the
+communication time (the compute spread evenly between the collectives).
+
 Profiles live under ``$JAXDIST_CACHE_DIR/profiles`` (default ``~/.cache/jaxdist``), one
 JSON file per platform, device kind and device count, like nnScaler's ``profile_dir``;
 estimates use the one matching their devices and say so in their notes.
@@ -42,7 +51,7 @@ import numpy as np
 
 from jaxdist import cache_dir
 
-VERSION = 3  # 3: reference steps with jaxdist.value_and_grad
+VERSION = 4  # 3: reference steps with jaxdist.value_and_grad; 4: sync costs
 log = logging.getLogger("jaxdist.estimate")
 
 
@@ -56,6 +65,8 @@ class Profile:
     created: when it was measured (ISO date and time, UTC).
     path: where it is stored.
     alpha_s, beta_s_per_byte: the measured link costs (None: not measured).
+    sync_fraction, sync_cap_s: the share of the compute since the previous collective
+      that a collective costs beyond α, and its most per collective (None: not measured).
   """
 
   platform: str
@@ -70,9 +81,18 @@ class Profile:
   path: str = ""
   alpha_s: float | None = None
   beta_s_per_byte: float | None = None
+  sync_fraction: float | None = None
+  sync_cap_s: float | None = None
 
   def compute_seconds(self, flops: float, nbytes: float) -> float:
     return self.overhead_s + flops * self.seconds_per_flop + nbytes * self.seconds_per_byte
+
+  def sync_seconds(self, compute_s: float, collectives: float) -> float:
+    """What a step with ``collectives`` collectives spread over ``compute_s`` seconds of
+    compute loses waiting at them (0 where not measured)."""
+    if not self.sync_fraction or not collectives:
+      return 0.0
+    return min(self.sync_fraction * compute_s, collectives * (self.sync_cap_s or 0.0))
 
 
 def profile_path(devices) -> Path:
@@ -122,6 +142,8 @@ def calibrate(devices=None, *, re_profile: bool = False, steps: int = 5) -> Prof
       return found
   n = len(devices)
   alpha, beta = _link_costs(devices, steps) if n > 1 else (None, None)
+  fraction, cap = _sync_costs(devices, steps, alpha) if n > 1 else (None, None)
+  waits = Profile("", "", n, 0.0, 0.0, 0.0, (), "", "", sync_fraction=fraction, sync_cap_s=cap)
   rows, names = [], []
   for name, (step, state, batch) in _reference_steps(n, models, optax):
     method = m.DataParallel(devices=devices)
@@ -132,6 +154,8 @@ def calibrate(devices=None, *, re_profile: bool = False, steps: int = 5) -> Prof
     if alpha is not None:
       measured = LogicalMesh((n,), alpha=alpha, beta=beta, devices=tuple(devices))
       communication = communication_seconds(est.collectives, measured)
+    count = sum(c["count"] for c in est.collectives.values())
+    communication += waits.sync_seconds(max(seconds - communication, 0.0), count)
     rows.append((est.flops, est.bytes_accessed, 1.0, max(seconds - communication, 0.0)))
     names.append(name)
     log.info("calibration %s: %.3f ms measured, %.3g flops, %.3g bytes", name, seconds * 1e3,
@@ -151,7 +175,7 @@ def calibrate(devices=None, *, re_profile: bool = False, steps: int = 5) -> Prof
       points=tuple((nm, float(t), float(ft)) for nm, t, ft in zip(names, y, fitted)),
       created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       jax_version=jax.__version__, path=str(profile_path(devices)), alpha_s=alpha,
-      beta_s_per_byte=beta)
+      beta_s_per_byte=beta, sync_fraction=fraction, sync_cap_s=cap)
   _store(profile)
   return profile
 
@@ -188,6 +212,45 @@ def _link_costs(devices, steps: int) -> tuple[float, float]:
   beta = max(per_op[1] - alpha, 0.0) / (2 * (n - 1) / n * 4 * 2**20)
   log.info("calibration links: α %.3g s, β %.3g s/byte", alpha, beta)
   return alpha, beta
+
+
+def _sync_costs(devices, steps: int, alpha: float) -> tuple[float, float]:
+  """(sync_fraction, sync_cap_s): chains of 16 matrix products per device (256 and 512
+  wide), with and without a 4-byte all-reduce after each; beyond α each all-reduce
+  costs a share of the compute before it (the mean of the two sizes'), at most the
+  larger of the two sizes' costs."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  from jaxdist.measure import time_steps
+
+  n, count = len(devices), 16
+  mesh = Mesh(np.array(devices), ("d",))
+
+  def chain(synced):
+    def body(w):
+      for _ in range(count):
+        w = jnp.tanh(w @ w) * 0.5
+        if synced:
+          w = w + jax.lax.psum(w[0, :1], "d")[0] * 1e-9
+      return w
+
+    spec = PartitionSpec("d")
+    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+    return lambda w: (run(w), None)
+
+  shares, costs = [], []
+  for size in (256, 512):
+    w = jax.device_put(jnp.full((n * size, size), 0.01, jnp.float32),
+                       NamedSharding(mesh, PartitionSpec("d")))
+    plain, synced = (time_steps(chain(s), w, num_steps=steps, warmup=2)[2] for s in (False, True))
+    cost = max((synced - plain) / count - alpha, 0.0)
+    shares.append(cost / max(plain / count, 1e-9))
+    costs.append(cost)
+  log.info("calibration sync: %.3g of the compute before a collective, at most %.3g s",
+           float(np.mean(shares)), max(costs))
+  return float(np.mean(shares)), max(costs)
 
 
 def _store(profile: Profile) -> None:

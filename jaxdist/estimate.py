@@ -309,6 +309,11 @@ def estimate_planned(method: m.Method, planned, micro_step, calibrated: bool = T
   if profile is not None:
     compute = profile.compute_seconds(work.flops, written)
     notes.append(f"compute time calibrated by {profile.path} ({profile.created})")
+    if links is not lmesh and profile.sync_fraction:
+      communication += profile.sync_seconds(compute, sum(c["count"] for c in collectives.values()))
+      notes.append(f"communication time includes the devices' waits at each collective that "
+                   f"{profile.path} measured ({profile.sync_fraction:.2f} of the compute "
+                   f"before it, at most {profile.sync_cap_s * 1e3:.3g} ms)")
   else:
     compute = work.flops / lmesh.peak_flops + written / CostModel(lmesh).memory_bandwidth
     notes.append("compute time at the device kind's peak flops and memory bandwidth (no "

@@ -7,6 +7,7 @@ every row): DataParallel within 2%; ZeRO and ShardParallel within 20% (XLA's sch
 and copy insertion decide the rest; see jaxdist/estimate.py).
 """
 
+import dataclasses
 import json
 
 import jax
@@ -92,11 +93,19 @@ def test_a_profile_calibrates_compute_time(tmp_path, monkeypatch):
   # The measured links price the communication (one combined gradient all-reduce) ...
   (reduce,) = est.collectives.values()
   n = len(devices)
-  assert est.communication_s == pytest.approx(2e-4 + 2 * (n - 1) / n * reduce["result_bytes"] * 1e-9)
+  links = 2e-4 + 2 * (n - 1) / n * reduce["result_bytes"] * 1e-9
+  assert est.communication_s == pytest.approx(links)
   # ... unless the mesh states its own costs.
-  given = jd.estimate(step, state, batch, method=jd.DataParallel(
-      devices=jd.LogicalMesh((n,), alpha=5e-6, beta=1e-11)))
+  stated = jd.DataParallel(devices=jd.LogicalMesh((n,), alpha=5e-6, beta=1e-11))
+  given = jd.estimate(step, state, batch, method=stated)
   assert given.communication_s == pytest.approx(5e-6 + 2 * (n - 1) / n * reduce["result_bytes"] * 1e-11)
+  # The measured waits at collectives: a share of the compute, at most the cap per
+  # collective (on the profile's links only).
+  calibration._store(dataclasses.replace(profile, sync_fraction=0.2, sync_cap_s=1e-4))
+  synced = jd.estimate(step, state, batch, method=jd.DataParallel())
+  assert synced.communication_s == pytest.approx(links + min(0.2 * est.compute_s, 1e-4))
+  assert any("waits at each collective" in note for note in synced.notes)
+  assert jd.estimate(step, state, batch, method=stated).communication_s == given.communication_s
 
 
 def test_calibration_measures_the_program_the_estimate_models():
