@@ -88,11 +88,15 @@ class Profile:
     return self.overhead_s + flops * self.seconds_per_flop + nbytes * self.seconds_per_byte
 
   def sync_seconds(self, compute_s: float, collectives: float) -> float:
-    """What a step with ``collectives`` collectives spread over ``compute_s`` seconds of
-    compute loses waiting at them (0 where not measured)."""
-    if not self.sync_fraction or not collectives:
-      return 0.0
-    return min(self.sync_fraction * compute_s, collectives * (self.sync_cap_s or 0.0))
+    return sync_seconds(self.sync_fraction, self.sync_cap_s, compute_s, collectives)
+
+
+def sync_seconds(fraction, cap, compute_s: float, collectives: float) -> float:
+  """What a step with ``collectives`` collectives spread over ``compute_s`` seconds of
+  compute loses waiting at them (0 where not measured)."""
+  if not fraction or not collectives:
+    return 0.0
+  return min(fraction * compute_s, collectives * (cap or 0.0))
 
 
 def profile_path(devices) -> Path:
@@ -143,7 +147,6 @@ def calibrate(devices=None, *, re_profile: bool = False, steps: int = 5) -> Prof
   n = len(devices)
   alpha, beta = _link_costs(devices, steps) if n > 1 else (None, None)
   fraction, cap = _sync_costs(devices, steps, alpha) if n > 1 else (None, None)
-  waits = Profile("", "", n, 0.0, 0.0, 0.0, (), "", "", sync_fraction=fraction, sync_cap_s=cap)
   rows, names = [], []
   for name, (step, state, batch) in _reference_steps(n, models, optax):
     method = m.DataParallel(devices=devices)
@@ -155,7 +158,7 @@ def calibrate(devices=None, *, re_profile: bool = False, steps: int = 5) -> Prof
       measured = LogicalMesh((n,), alpha=alpha, beta=beta, devices=tuple(devices))
       communication = communication_seconds(est.collectives, measured)
     count = sum(c["count"] for c in est.collectives.values())
-    communication += waits.sync_seconds(max(seconds - communication, 0.0), count)
+    communication += sync_seconds(fraction, cap, max(seconds - communication, 0.0), count)
     rows.append((est.flops, est.bytes_accessed, 1.0, max(seconds - communication, 0.0)))
     names.append(name)
     log.info("calibration %s: %.3f ms measured, %.3g flops, %.3g bytes", name, seconds * 1e3,
