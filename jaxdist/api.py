@@ -291,6 +291,16 @@ class ParallelizedFunc:
       self._planned = {key: planned}  # the compile that follows starts from it
     return planned
 
+  def _replanned(self, planned: "Planned", method: m.Method, *args) -> "Planned":
+    """``planned``'s trace planned again under ``method`` (another option of the same
+    SPMD method, which the trace does not depend on), for the estimate of a re-plan."""
+    start = time.perf_counter()
+    with recomputing(self._request()):
+      step, layout, shard_plan = self._plan(method, planned.traced, args,
+                                            planned.static_argnums, self._mesh())
+    return Planned(planned.traced, step, layout, shard_plan, planned.static_argnums,
+                   {"trace_s": 0.0, "plan_s": time.perf_counter() - start})
+
   @gc_paused()
   def planned_stages(self, *args) -> PipelineExecutable:
     """PipeshardParallel: traces the step, forms its stages and plans their programs,

@@ -188,28 +188,20 @@ def _link_costs(devices, steps: int) -> tuple[float, float]:
   of 4 bytes and of 4 MiB per device; α from the small ones, β from the large."""
   import jax
   import jax.numpy as jnp
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-  from jaxdist.measure import time_steps
 
   n = len(devices)
-  mesh = Mesh(np.array(devices), ("d",))
 
   def chain(count):
     def body(x):
       for _ in range(count):
         x = jax.lax.psum(x, "d") * (1.0 / n)
       return x
-
-    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=PartitionSpec("d"),
-                                out_specs=PartitionSpec("d")))
-    return lambda x: (run(x), None)
+    return body
 
   per_op = []
   for per_device in (1, 2**20):  # float32 elements
-    x = jax.device_put(jnp.ones((n * per_device,), jnp.float32),
-                       NamedSharding(mesh, PartitionSpec("d")))
-    one, many = (time_steps(chain(c), x, num_steps=steps, warmup=2)[2] for c in (1, 17))
+    x = jnp.ones((n * per_device,), jnp.float32)
+    one, many = (_chain_seconds(devices, chain(c), x, steps) for c in (1, 17))
     per_op.append(max(many - one, 0.0) / 16)
   alpha = per_op[0]
   beta = max(per_op[1] - alpha, 0.0) / (2 * (n - 1) / n * 4 * 2**20)
@@ -224,12 +216,8 @@ def _sync_costs(devices, steps: int, alpha: float) -> tuple[float, float]:
   larger of the two sizes' costs."""
   import jax
   import jax.numpy as jnp
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-  from jaxdist.measure import time_steps
-
-  n, count = len(devices), 16
-  mesh = Mesh(np.array(devices), ("d",))
+  count = 16
 
   def chain(synced):
     def body(w):
@@ -238,22 +226,32 @@ def _sync_costs(devices, steps: int, alpha: float) -> tuple[float, float]:
         if synced:
           w = w + jax.lax.psum(w[0, :1], "d")[0] * 1e-9
       return w
-
-    spec = PartitionSpec("d")
-    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
-    return lambda w: (run(w), None)
+    return body
 
   shares, costs = [], []
   for size in (256, 512):
-    w = jax.device_put(jnp.full((n * size, size), 0.01, jnp.float32),
-                       NamedSharding(mesh, PartitionSpec("d")))
-    plain, synced = (time_steps(chain(s), w, num_steps=steps, warmup=2)[2] for s in (False, True))
+    w = jnp.full((len(devices) * size, size), 0.01, jnp.float32)
+    plain, synced = (_chain_seconds(devices, chain(s), w, steps) for s in (False, True))
     cost = max((synced - plain) / count - alpha, 0.0)
     shares.append(cost / max(plain / count, 1e-9))
     costs.append(cost)
   log.info("calibration sync: %.3g of the compute before a collective, at most %.3g s",
            float(np.mean(shares)), max(costs))
   return float(np.mean(shares)), max(costs)
+
+
+def _chain_seconds(devices, body, x, steps: int) -> float:
+  """Median seconds of ``body`` run by every device (mesh axis ``"d"``) on its shard of
+  ``x``'s first dimension."""
+  import jax
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  from jaxdist.measure import time_steps
+
+  mesh, spec = Mesh(np.array(devices), ("d",)), PartitionSpec("d")
+  run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+  x = jax.device_put(x, NamedSharding(mesh, spec))
+  return time_steps(lambda y: (run(y), None), x, num_steps=steps, warmup=2)[2]
 
 
 def _store(profile: Profile) -> None:

@@ -65,7 +65,8 @@ class Estimate:
     step_time_s: ``compute_s + communication_s``.
     compute_s: flops of dots and convolutions per device over the peak (calibrated).
     communication_s: the predicted collectives under the mesh's α-β costs (the
-      calibration profile's measured ones where the mesh has its device kind's defaults).
+      calibration profile's measured ones where the mesh has its device kind's defaults,
+      plus the devices' waits at the collectives that the profile measured).
     collectives: kind → {"count", "result_bytes"} per step and device, predicted.
     plan: the method's plan (ShardParallel: the chosen mesh and specs).
     notes: how the figures were made (calibration, approximations).
@@ -212,7 +213,7 @@ def estimate(step, *args, method: m.Method | None = None, compile: bool = False,
   start = time.perf_counter()
   est = estimate_planned(method, planned, lambda: _micro_step(func, planned, args), calibrated)
   timings = dict(planned.timings, estimate_s=time.perf_counter() - start)
-  again = _with_loop_buffers(func, planned, est, args, calibrated)
+  again = _replanned_with_loop_buffers(func, planned, est, args, calibrated)
   if again is not None:  # (the second plan's trace, plan and estimate seconds are added)
     planned, est, more = again
     for key, seconds in more.items():
@@ -223,7 +224,7 @@ def estimate(step, *args, method: m.Method | None = None, compile: bool = False,
   return dataclasses.replace(est, timings=timings)
 
 
-def _with_loop_buffers(func, planned, est: Estimate, args, calibrated: bool):
+def _replanned_with_loop_buffers(func, planned, est: Estimate, args, calibrated: bool):
   """A micro-batched ShardParallel step whose first plan compiles over its memory budget
   is planned again with the micro-batch loop's buffers in the planner's memory model
   (``ParallelizedFunc``, ``AutoShardingOption._loop_buffers``); the estimate does the
@@ -237,15 +238,11 @@ def _with_loop_buffers(func, planned, est: Estimate, args, calibrated: bool):
   budget = opt.memory_budget_per_device
   if budget is None or opt._loop_buffers or est.memory_per_device <= budget:
     return None
-  from jaxdist.api import ParallelizedFunc
-  again = ParallelizedFunc(
-      func.fun, dataclasses.replace(
-          method, auto_sharding_option=dataclasses.replace(opt, _loop_buffers=True)),
-      func.static_argnums, func.donate_argnums, func.batch_argnums)
-  second = again.planned(*args)
+  again = dataclasses.replace(method, auto_sharding_option=dataclasses.replace(
+      opt, _loop_buffers=True))
+  second = func._replanned(planned, again, *args)  # (the same trace)
   start = time.perf_counter()
-  est2 = estimate_planned(again.method, second, lambda: _micro_step(again, second, args),
-                          calibrated)
+  est2 = estimate_planned(again, second, lambda: _micro_step(func, second, args), calibrated)
   if est2.memory_per_device >= est.memory_per_device:
     return None
   note = (f"the first plan was estimated at {est.memory_per_device / 1e6:.1f} MB, over the "
