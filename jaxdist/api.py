@@ -103,6 +103,9 @@ class Planned:
     shard_plan: the shard planner's result (ShardParallel), else None.
     static_argnums: the argument numbers treated as static.
     timings: seconds spent tracing (``trace_s``) and planning (``plan_s``).
+    method: the method it was planned under where that is not the function's own (the
+      estimate's re-plan of a micro-batched step with the loop's buffers in the memory
+      model); the compile's re-plans on an overshoot go on from its options.
   """
 
   traced: Any
@@ -111,6 +114,7 @@ class Planned:
   shard_plan: Any
   static_argnums: tuple[int, ...]
   timings: dict
+  method: Any = None
 
 
 def _evaluation(step: TracedStep) -> bool:
@@ -286,10 +290,14 @@ class ParallelizedFunc:
       step, layout, shard_plan = self._plan(self.method, traced, args, static, self._mesh())
     timings["plan_s"] = time.perf_counter() - start
     planned = Planned(traced, step, layout, shard_plan, static, timings)
-    _, key = self._key(args, static)
-    if key is not None and key not in self._executables:
-      self._planned = {key: planned}  # the compile that follows starts from it
+    self._hand_over(planned, args)
     return planned
+
+  def _hand_over(self, planned: "Planned", args) -> None:
+    """Keeps ``planned`` for these arguments: the compile that follows starts from it."""
+    _, key = self._key(args, planned.static_argnums)
+    if key is not None and key not in self._executables:
+      self._planned = {key: planned}
 
   def _replanned(self, planned: "Planned", method: m.Method, *args) -> "Planned":
     """``planned``'s trace planned again under ``method`` (another option of the same
@@ -299,7 +307,7 @@ class ParallelizedFunc:
       step, layout, shard_plan = self._plan(method, planned.traced, args,
                                             planned.static_argnums, self._mesh())
     return Planned(planned.traced, step, layout, shard_plan, planned.static_argnums,
-                   {"trace_s": 0.0, "plan_s": time.perf_counter() - start})
+                   {"trace_s": 0.0, "plan_s": time.perf_counter() - start}, method)
 
   @gc_paused()
   def planned_stages(self, *args) -> PipelineExecutable:
@@ -349,7 +357,7 @@ class ParallelizedFunc:
     timings = dict(planned.timings) if planned else {"trace_s": time.perf_counter() - start}
     timings.setdefault("plan_s", 0.0)
     with recomputing(request):
-      method = self.method
+      method = planned.method if planned is not None and planned.method else self.method
       budget = (method.options.memory_budget_per_device
                 if isinstance(method, m.ShardParallel) else None)
       best = None  # (bytes, attempt, step, layout, shard_plan, compiled): the smallest yet

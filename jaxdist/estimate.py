@@ -229,7 +229,7 @@ def _replanned_with_loop_buffers(func, planned, est: Estimate, args, calibrated:
   is planned again with the micro-batch loop's buffers in the planner's memory model
   (``ParallelizedFunc``, ``AutoShardingOption._loop_buffers``); the estimate does the
   same when its own figure for the first plan is over the budget, and keeps the second
-  plan if it estimates smaller. Returns the second plan, its estimate and its seconds
+  plan if it estimates smaller (and hands it to the step's compile). Returns the second plan, its estimate and its seconds
   (``trace_s``, ``plan_s``, ``estimate_s``), or None."""
   method = func.method
   if not isinstance(method, m.ShardParallel) or planned.layout.num_micro_batches <= 1:
@@ -249,6 +249,10 @@ def _replanned_with_loop_buffers(func, planned, est: Estimate, args, calibrated:
           f"budget of {budget / 1e6:.1f} MB: planned again with the micro-batch loop's "
           "buffers in the planner's memory model, as the compile does after an overshoot")
   est2 = dataclasses.replace(est2, notes=(note, *est2.notes))
+  # The compile that follows starts from the second plan, as it would after compiling
+  # the first; its timings count both plans.
+  func._hand_over(dataclasses.replace(second, timings=dict(
+      planned.timings, plan_s=planned.timings["plan_s"] + second.timings["plan_s"])), args)
   return second, est2, dict(second.timings, estimate_s=time.perf_counter() - start)
 
 

@@ -294,16 +294,21 @@ def test_a_micro_batched_plan_holds_its_accumulators_within_the_budget():
   costs), the re-plan counts them and fits. Before, the plan and both re-plans (under
   scaled budgets, the same model) compiled 1.38x over the budget. ``jd.estimate`` plans
   again too and estimates the plan the compile ends with (7.63 MB against 7.38 compiled;
-  it gave the first plan's 9.54 MB, over the budget of 7.46)."""
+  it gave the first plan's 9.54 MB, over the budget of 7.46), and hands that plan to the
+  compile that follows (which compiled the first plan and re-planned before)."""
   step, state, batch, f, budget = budgeted_gpt(vocab=512, width=128, fraction=0.7)
   with warnings.catch_warnings():
     warnings.simplefilter("error", errors.JaxdistWarning)
-    # The estimate plans again as the compile will (its first plan estimated over the budget).
+    alone = jd.parallelize(step, method=f.method).get_executable(state, batch)
+    # The estimate plans again as the compile does (its first plan estimated over the budget).
     est = jd.estimate(f, state, batch)
     exe = f.get_executable(state, batch)
   compiled = exe.get_total_allocation_size()
   assert compiled <= budget
-  assert "after 1 re-plan(s)" in exe.plan.notes[-1], exe.plan.notes
+  assert "after 1 re-plan(s)" in alone.plan.notes[-1], alone.plan.notes
+  assert "re-plan" not in exe.plan.notes[-1], exe.plan.notes  # it started from the estimate's
+  assert exe.input_shardings == alone.input_shardings
+  assert compiled == alone.get_total_allocation_size()
   assert "planned again with the micro-batch loop's buffers" in est.notes[0], est.notes
   assert abs(est.memory_per_device - compiled) <= 0.10 * compiled, (est.memory_per_device, compiled)
   (state1, metrics1), (state2, metrics2) = jax.jit(step)(state, batch), f(state, batch)
