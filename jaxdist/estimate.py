@@ -614,17 +614,64 @@ def _shard_parallel(planned):
   jaxpr = result.step.closed_jaxpr.jaxpr
   timeline = Timeline(jaxpr, size, lmesh.devices[0].platform)
   written = sum(b for _, _, b in timeline.buffers.values())
+  marker = next((e for e, _, _ in timeline.eqns
+                 if e.primitive.name == jaxpr_util.IDENTITY_MARKER), None)
+  labels, early = {}, collections.Counter()
+  for n, (end, b, readers) in enumerate(_early_copies(result, timeline, marker)):
+    timeline.add(("early copy", n), 0, end, b)
+    labels[("early copy", n)] = "temporaries"
+    early.update((k, b) for k in readers)
   # A collective's result is a buffer of its own next to its operand.
   for k, (kind, axes, b) in graph.collectives(choice, plan.cost_model):
     eqn = graph.nodes[k].eqn
     if eqn is None or id(eqn) not in timeline.position:
       continue
+    if early[(k, b)]:  # the early copy's
+      early[(k, b)] -= 1
+      continue
     pos = timeline.position[id(eqn)]
     timeline.add(("collective", k, kind, len(timeline.buffers)), pos, pos, b)
-  marker = next((e for e, _, _ in timeline.eqns
-                 if e.primitive.name == jaxpr_util.IDENTITY_MARKER), None)
-  temps = _parts(timeline, {}, _forward_end(timeline, marker))
+  temps = _parts(timeline, labels, _forward_end(timeline, marker))
   return _Work(temps, _planned_flops(plan), written)
+
+
+def _early_copies(result, timeline: Timeline, marker) -> list[tuple[int, float, set]]:
+  """The resharded copies of values no batch input reaches (``planner.hoisted_flows``:
+  parameters, optimizer state) that XLA's schedule makes early, since they wait on
+  nothing the step computes, and keeps to their last reader: the gathered ones, and
+  those only the update after the gradient ``marker`` reads. One per value and layout;
+  per copy, that reader's position in ``timeline``, the copy's bytes per device and the
+  graph nodes reading it.
+
+  Measured on BatchNorm CNNs under ZeRO (planned as one program): the Adam moments'
+  all-gathers for the update and ZeRO-3's parameter all-gathers for the backward came
+  before the forward's end; counted at their readers, a 4-block CNN's estimate was
+  0.875x of XLA's bytes under ZeRO-2 and 0.79x under ZeRO-3. A 4-stage MLP's kernels
+  moved by all-to-all for the backward's dots were made where they are read (counted
+  early, its stage programs' estimates went from 0.90-1.00x to 1.09-1.12x).
+  """
+  if marker is None:
+    return []
+  update = timeline.position[id(marker)]
+  from jaxdist.shard.planner import hoisted_flows
+  plan = result.mesh_plan
+  graph, choice = plan.graph, plan.solution.choice
+  sizes = dict(zip(plan.lmesh.axis_names, plan.lmesh.shape))
+  made = {}  # (source, output, layout) -> [last reader's position, bytes, readers, gathered]
+  for flow in hoisted_flows(result.step.closed_jaxpr.jaxpr, graph, result.step,
+                            lambda e: id(e) in timeline.position):
+    src, dst = graph.nodes[flow.src], graph.nodes[flow.dst]
+    want = flow.required[choice[dst.group]]
+    have = src.strategies[choice[src.group]].out_specs[flow.pos]
+    if want is None or want == have:
+      continue
+    copy = made.setdefault((flow.src, flow.pos, want), [
+        0, flow.full_bytes / num_shards(want, sizes), set(),
+        num_shards(want, sizes) < num_shards(have, sizes)])
+    copy[0] = max(copy[0], timeline.position[id(dst.eqn)])
+    copy[2].add(flow.dst)
+  return [(end, b, readers) for end, b, readers, gathered in made.values()
+          if gathered or min(timeline.position[id(graph.nodes[k].eqn)] for k in readers) > update]
 
 
 def _planned_flops(plan) -> float:
