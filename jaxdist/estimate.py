@@ -229,8 +229,8 @@ def _replanned_with_loop_buffers(func, planned, est: Estimate, args, calibrated:
   is planned again with the micro-batch loop's buffers in the planner's memory model
   (``ParallelizedFunc``, ``AutoShardingOption._loop_buffers``); the estimate does the
   same when its own figure for the first plan is over the budget, and keeps the second
-  plan if it estimates smaller (and hands it to the step's compile). Returns the second plan, its estimate and its seconds
-  (``trace_s``, ``plan_s``, ``estimate_s``), or None."""
+  plan if it estimates smaller (and hands it to the step's compile). Returns the second
+  plan, its estimate and its seconds (``trace_s``, ``plan_s``, ``estimate_s``), or None."""
   method = func.method
   if not isinstance(method, m.ShardParallel) or planned.layout.num_micro_batches <= 1:
     return None
@@ -639,9 +639,9 @@ def _early_copies(result, timeline: Timeline, marker) -> list[tuple[int, float, 
   """The resharded copies of values no batch input reaches (``planner.hoisted_flows``:
   parameters, optimizer state) that XLA's schedule makes early, since they wait on
   nothing the step computes, and keeps to their last reader: the gathered ones, and
-  those only the update after the gradient ``marker`` (if any) reads. One per value and layout;
-  per copy, that reader's position in ``timeline``, the copy's bytes per device and the
-  graph nodes reading it.
+  those only the update after the gradient ``marker`` (if any) reads. One per value and
+  layout; per copy, that reader's position in ``timeline``, the copy's bytes per device
+  and the graph nodes reading it.
 
   Measured on BatchNorm CNNs under ZeRO (planned as one program): the Adam moments'
   all-gathers for the update and ZeRO-3's parameter all-gathers for the backward came
@@ -668,8 +668,9 @@ def _early_copies(result, timeline: Timeline, marker) -> list[tuple[int, float, 
         num_shards(want, sizes) < num_shards(have, sizes)])
     copy[0] = max(copy[0], timeline.position[id(dst.eqn)])
     copy[2].add(flow.dst)
+  first_read = lambda readers: min(timeline.position[id(graph.nodes[k].eqn)] for k in readers)
   return [(end, b, readers) for end, b, readers, gathered in made.values()
-          if gathered or min(timeline.position[id(graph.nodes[k].eqn)] for k in readers) > update]
+          if gathered or first_read(readers) > update]
 
 
 def _planned_flops(plan) -> float:
