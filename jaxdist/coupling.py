@@ -66,7 +66,8 @@ def warn_split(coupled: str, parts: str):
       f"the step mixes examples beyond the loss's mean ({coupled}); {parts} each compute "
       f"it on their own examples (batch statistics, in-batch negatives), so results differ "
       f"from the single-device step's. DataParallel, ZeRO or ShardParallel without "
-      f"micro-batches run it as one whole-batch program.", errors.JaxdistWarning, stacklevel=3)
+      f"micro-batches run it as one whole-batch program.", errors.ResultsDifferWarning,
+      stacklevel=3)
 
 
 def loss_coupling(loss_jaxpr, num_consts: int, batched, size: int) -> str | None:

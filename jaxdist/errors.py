@@ -59,3 +59,10 @@ class PlanMismatchError(JaxdistError, ValueError):
 
 class JaxdistWarning(UserWarning):
   """jaxdist fell back to a simpler, still-correct plan; the message says why."""
+
+
+class ResultsDifferWarning(JaxdistWarning):
+  """The method computes something else than the single-device step, not just rounding
+  apart: micro-batches of a step whose examples interact (batch statistics) each see
+  their own examples only. ``jaxdist.tune`` picks such a candidate only if no exact one
+  ran."""

@@ -176,3 +176,29 @@ def test_a_candidate_that_is_not_a_method_is_refused_before_any_trial():
     jd.tune(step, state, data, memory_budget_per_device=-5, progress=False)
   with pytest.raises(errors.InvalidArgumentError, match=r"time_budget_s=-1.*>= 0"):
     jd.tune(step, state, data, time_budget_s=-1, progress=False)
+
+
+def test_a_candidate_that_changes_the_step_s_results_is_picked_only_if_no_exact_one_ran(tmp_path):
+  """Micro-batches of a BatchNorm step compute each micro-batch's own statistics: the
+  trial is marked inexact (its reason says why), and the best trial is an exact one
+  even where the inexact one is faster; before, the fastest won, whatever it computed."""
+  import dataclasses
+
+  from jaxdist.bench import wresnet
+  config = wresnet.WResNetConfig(image_size=8, base_width=4, width_factor=2)
+  report = jd.tune(wresnet.train_step(jd.value_and_grad), wresnet.create_state(config),
+                   wresnet.batch(16, config), steps=1, progress=False,
+                   candidates=[jd.DataParallel(), jd.DataParallel(num_micro_batches=2)])
+  whole, split = report.trials
+  assert whole.status == split.status == "ok"
+  assert whole.exact and not split.exact
+  assert "mixes examples beyond the loss's mean" in split.reason
+  faster = dataclasses.replace(report, trials=(
+      dataclasses.replace(whole, step_time_s=2.0), dataclasses.replace(split, step_time_s=1.0)))
+  assert faster.best_trial.name == "DataParallel"
+  assert "[results differ]" in faster.summary().splitlines()[2]
+  alone = dataclasses.replace(report, trials=(dataclasses.replace(whole, status="oom"), split))
+  assert alone.best_trial is split
+  assert "no exact trial ran" in alone.summary()
+  report.to_json(tmp_path / "report.json")
+  assert [t.exact for t in jd.TuneReport.load(tmp_path / "report.json").trials] == [True, False]

@@ -16,7 +16,7 @@ from jaxdist.plan import Plan
 STATUSES = ("ok", "oom", "error", "skipped")
 COLUMNS = ("name", "method", "status", "step_time_s", "memory_bytes", "compile_s",
            "estimated_memory_bytes", "estimated_step_time_s", "num_micro_batches",
-           "mesh_shape", "reason")
+           "mesh_shape", "exact", "reason")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +40,9 @@ class Trial:
     estimated_memory_bytes, estimated_step_time_s: ``jaxdist.estimate``'s figures, where
       the method has an estimate.
     mesh_shape: the logical mesh the plan used, where known.
+    exact: False where the method computes something else than the single-device step
+      (micro-batches of a step with batch statistics: ``reason`` says which); the best
+      trial is an exact one whenever one ran.
   """
 
   name: str
@@ -52,6 +55,7 @@ class Trial:
   estimated_memory_bytes: float | None = None
   estimated_step_time_s: float | None = None
   mesh_shape: tuple[int, ...] | None = None
+  exact: bool = True
 
   def row(self) -> dict:
     return {"name": self.name, "method": type(self.method).__name__, "status": self.status,
@@ -61,7 +65,7 @@ class Trial:
             "estimated_step_time_s": self.estimated_step_time_s,
             "num_micro_batches": self.method.num_micro_batches or 1,
             "mesh_shape": "x".join(map(str, self.mesh_shape)) if self.mesh_shape else "",
-            "reason": self.reason}
+            "exact": self.exact, "reason": self.reason}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,9 +84,10 @@ class TuneReport:
 
   @property
   def best_trial(self) -> Trial | None:
-    """The fastest ``ok`` trial (None if none ran)."""
+    """The fastest ``ok`` trial that computes what the single-device step does; the
+    fastest ``ok`` one if none does (None if none ran)."""
     ok = [t for t in self.trials if t.status == "ok"]
-    return min(ok, key=lambda t: t.step_time_s) if ok else None
+    return min(ok, key=lambda t: (not t.exact, t.step_time_s)) if ok else None
 
   @property
   def best_method(self):
@@ -114,11 +119,14 @@ class TuneReport:
           f"{'' if t.step_time_s is None else f'{t.step_time_s * 1e3:.2f}':>9} "
           f"{'' if t.memory_bytes is None else f'{t.memory_bytes / mb:.2f}':>10} "
           f"{'' if t.compile_s is None else f'{t.compile_s:.1f}':>9}"
+          + ("" if t.exact else "  [results differ]")
           + (f"  {t.reason}" if t.reason else "") + ("  <- best" if t is best else ""))
     budget = ("no memory budget" if self.memory_budget_per_device is None else
               f"budget {self.memory_budget_per_device / mb:.1f} MB per device")
     lines.append(f"{len(self.trials)} trials in {self.elapsed_s:.0f} s, {budget}; best: "
-                 + (best.name if best else "none ran"))
+                 + (best.name if best else "none ran")
+                 + ("" if best is None or best.exact else
+                    " (no exact trial ran: its results differ from the single-device step's)"))
     return "\n".join(lines)
 
   def to_csv(self, path) -> None:
@@ -154,7 +162,8 @@ class TuneReport:
           compile_s=row["compile_s"], reason=row["reason"],
           estimated_memory_bytes=row["estimated_memory_bytes"],
           estimated_step_time_s=row["estimated_step_time_s"],
-          mesh_shape=tuple(row["mesh_shape"]) if row["mesh_shape"] else None))
+          mesh_shape=tuple(row["mesh_shape"]) if row["mesh_shape"] else None,
+          exact=row.get("exact", True)))
     return cls(tuple(trials), data["memory_budget_per_device"], data["elapsed_s"])
 
   def plot(self, path) -> None:

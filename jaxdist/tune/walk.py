@@ -54,7 +54,7 @@ PIPELINE_MICRO_BATCHES = 4
 MORE_PIPELINE_MICRO_BATCHES = 8
 # A trial's figures that can differ between the processes of a job (measured, or decided
 # by something one process has and another lacks); process 0's are taken.
-AGREED = ("status", "step_time_s", "memory_bytes", "compile_s", "reason",
+AGREED = ("status", "step_time_s", "memory_bytes", "compile_s", "reason", "exact",
           "estimated_memory_bytes", "estimated_step_time_s")
 
 
@@ -288,6 +288,8 @@ class _Walk:
                      if issubclass(w.category, errors.JaxdistWarning)})
       if said and not trial.reason:
         trial = dataclasses.replace(trial, reason="; ".join(said)[:300])
+      if any(issubclass(w.category, errors.ResultsDifferWarning) for w in caught):
+        trial = dataclasses.replace(trial, exact=False)
       self.add(trial)
     finally:
       if trial is None or trial.compile_s is not None:
