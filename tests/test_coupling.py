@@ -96,3 +96,26 @@ def test_token_counts_clamped_against_zero_are_normalizers(loss, mask, found):
   closed = jaxpr_util.inline_calls(jax.make_jaxpr(loss)(jnp.ones(8), jnp.ones(8, mask)))
   jaxpr = closed.jaxpr
   assert (normalizer_of(jaxpr.eqns, jaxpr.outvars[0], set()) is not None) == found
+
+
+@pytest.mark.parametrize("method", [jd.Zero2Parallel(), jd.Zero3Parallel()], ids=["zero2", "zero3"])
+def test_zero_updates_a_batch_norm_step_s_adam_moments_on_their_shards(method):
+  """Planned as one program, the update followed the gradient's layout: XLA gathered
+  both Adam moments of every leaf (twice the parameters' bytes) instead of the update
+  (once), and ZeRO-2 needed more memory than DataParallel (a BatchNorm WideResNet: 4.58
+  MB against 3.94 now, 47.2 ms per step against 42.0). The update now follows the
+  moments' shards."""
+  import optax
+
+  config = wresnet.WResNetConfig(image_size=16, base_width=16, width_factor=2)
+  step, batch = wresnet.train_step(jd.value_and_grad), wresnet.batch(16, config)
+  make = lambda: wresnet.create_state(config, tx=optax.adam(1e-3))
+  params = sum(x.nbytes for x in jax.tree.leaves(make().params))
+  dp = jd.parallelize(step, method=jd.DataParallel()).get_executable(make(), batch)
+  exe = jd.parallelize(step, method=method).get_executable(make(), batch)
+  gathered = exe.communication()["all-gather"].result_bytes
+  assert gathered <= 1.3 * params, (gathered, params)
+  assert exe.get_total_allocation_size() < 0.9 * dp.get_total_allocation_size()
+  assert not [line for line in exe.check_communication() if "DIFFERS" in line]
+  assert_trees_close(to_host(exe(make(), batch)), to_host(serial(step, make(), batch)),
+                     rtol=1e-4, atol=1e-5)

@@ -220,7 +220,8 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
                 batch_inputs: frozenset[int] = frozenset(),
                 regions: list | None = None, weights: list | None = None,
                 loop: Callable[[], MicroBatchLoop] | None = None,
-                priced: bool = True) -> StrategyGraph:
+                priced: bool = True, state_inputs: frozenset[int] = frozenset()
+                ) -> StrategyGraph:
   """Builds the strategy graph of an (inlined) jaxpr.
 
   Args:
@@ -239,10 +240,15 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
       as ``jaxdist.shard.micro`` describes (called when the costs are computed).
     priced: compute the costs now; else on :meth:`StrategyGraph.priced` (a plan whose
       solution is cached needs only the strategies: pricing is most of the build).
+    state_inputs: input positions holding optimizer state. An elementwise op follows
+      such an input (or a value following it) held split with no other choice, as
+      ZeRO's sharded Adam moments are, before a freer operand: the update then runs on
+      the moments' shards, instead of their being gathered to follow the gradient.
   """
   sizes = cost_model.axis_sizes
   nodes: list[Node] = []
   group_sizes: list[int] = []
+  state_groups: set[int] = set()  # the groups of the optimizer-state inputs
   producer = {}
   unknown = []
 
@@ -267,6 +273,8 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
     else:
       strategies = input_strategies(shape, sizes, nbytes(v), penalty)
     producer[v] = (new_node(f"input {k}", strategies, input_index=k), 0)
+    if k in state_inputs:
+      state_groups.add(len(group_sizes) - 1)
 
   expanded: set = set()  # values broadcast up from fewer elements (see _track_expanded)
   top_level: set = set()  # equations outside any loop or conditional once compiled
@@ -281,7 +289,8 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
       continue
     rule = rule_for(eqn, cost_model, lambda v: _has_producer(v, producer),
                     lambda v: group_sizes[nodes[producer[v][0]].group],
-                    lambda v: v in expanded)
+                    lambda v: v in expanded,
+                    lambda v: _pinned_state(nodes, producer, v, sizes, state_groups))
     _track_expanded(eqn, expanded)
     if rule is None or (isinstance(rule, list) and not rule):
       if eqn.primitive.name not in unknown:
@@ -491,3 +500,11 @@ def _track_expanded(eqn, expanded: set) -> None:
             and math.prod(getattr(v.aval, "shape", ())) == size]
     if full and all(v in expanded for v in full):
       expanded.add(out)
+
+
+def _pinned_state(nodes, producer, v, sizes, state_groups) -> bool:
+  """Whether ``v`` follows an optimizer-state input whose only choice splits it."""
+  node_id, pos = producer[v]
+  node = nodes[node_id]
+  return (node.group in state_groups and len(node.strategies) == 1
+          and num_shards(node.strategies[0].out_specs[pos], sizes) > 1)

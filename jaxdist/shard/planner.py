@@ -688,7 +688,9 @@ def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,
   batch = frozenset(k for k, leaf in enumerate(step.inputs) if leaf.role == BATCH)
   graph = build_graph(jaxpr, cost_model,
                       _input_choices(step, lmesh, opt, pinned, num_micro_batches), tied, batch,
-                      regions, weights, loop, priced=False)
+                      regions, weights, loop, priced=False,
+                      state_inputs=frozenset(k for k, leaf in enumerate(step.inputs)
+                                             if leaf.role == OPTIMIZER))
   digest = cache.key(jaxpr_text or str(step.closed_jaxpr),
                      [(l.shape, str(l.dtype), l.role) for l in step.inputs], _mesh_key(lmesh),
                      opt, pinned, num_micro_batches, tied, regions is not None, loop is not None)

@@ -127,15 +127,17 @@ def _replicated_strategy(eqn, name: str, cost: float = 0.0) -> Strategy:
 
 def rule_for(eqn, cost_model: CostModel, produced: Callable,
              freedom: Callable = lambda v: 0,
-             expanded: Callable = lambda v: False) -> Follow | list[Strategy] | None:
+             expanded: Callable = lambda v: False,
+             pinned: Callable = lambda v: False) -> Follow | list[Strategy] | None:
   """The rule for ``eqn``; None means: no rule (replicate and warn).
 
   ``produced(var)`` tells whether an operand comes from another node (not a literal):
   only those can be followed. ``freedom(var)`` is the number of choices of the
   operand's group: among equally large operands, one that is not a smaller value
   broadcast up (``expanded(var)``: BatchNorm's statistics, a softmax's row max) is
-  followed, then the freest (a causal mask built from an iota must not decide the
-  layout of the attention scores).
+  followed, then one whose only choice splits it (``pinned(var)``: ZeRO's sharded
+  optimizer state), then the freest (a causal mask built from an iota must not decide
+  the layout of the attention scores).
   """
   name = eqn.primitive.name
   sizes = cost_model.axis_sizes
@@ -149,7 +151,7 @@ def rule_for(eqn, cost_model: CostModel, produced: Callable,
     return [_replicated_strategy(eqn, f"{name} (constant)")]
   if (name in ELEMENTWISE or _is_elementwise_call(eqn) or _same_width_bitcast(eqn)
       or name in ("threefry2x32", "random_clone")):
-    return _elementwise(eqn, produced, freedom, expanded)
+    return _elementwise(eqn, produced, freedom, expanded, pinned)
   if name == "random_bits" and not _shape(eqn.invars[0]):
     return [Strategy("random_bits", (s,), (replicated(0),))
             for s in enumerate_specs(_shape(eqn.outvars[0]), sizes)]
@@ -210,7 +212,8 @@ def _is_elementwise_call(eqn) -> bool:
           and all(e.primitive.name in ELEMENTWISE | {"broadcast_in_dim"} for e in inner.eqns))
 
 
-def _elementwise(eqn, produced, freedom, expanded=lambda v: False) -> Follow | None:
+def _elementwise(eqn, produced, freedom, expanded=lambda v: False,
+                 pinned=lambda v: False) -> Follow | None:
   shape = _shape(eqn.outvars[0])
   candidates = [i for i, v in enumerate(eqn.invars)
                 if produced(v) and len(_shape(v)) == len(shape)]
@@ -219,9 +222,11 @@ def _elementwise(eqn, produced, freedom, expanded=lambda v: False) -> Follow | N
   if not candidates:
     return None
   # Follow the produced operand with the most elements (all operands may broadcast),
+  # then one held split with no other choice (so that an update of a sharded state runs
+  # on its shards, instead of the state being gathered to follow a replicated operand),
   # then the one whose group has the most choices.
   lead = max(candidates, key=lambda i: (math.prod(_shape(eqn.invars[i])),
-                                        not expanded(eqn.invars[i]),
+                                        not expanded(eqn.invars[i]), pinned(eqn.invars[i]),
                                         freedom(eqn.invars[i]), -i))
 
   def full_dims(v):
