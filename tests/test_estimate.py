@@ -240,7 +240,8 @@ def test_early_gathers_of_a_batch_norm_step_are_sized_as_xla_schedules_them(meth
   (its gradients are whole-batch). XLA gathers the Adam moments for the update, and
   ZeRO-3's parameters for the backward, before the forward ends (they wait on nothing
   the step computes): counted at their readers, the estimate was 0.76x of XLA's bytes
-  under ZeRO-2 and 0.63x under ZeRO-3 (now 0.87x and 0.89x; 0.89x with jax's grad)."""
+  under ZeRO-2 and 0.63x under ZeRO-3 (the plans of then, which gathered both moments);
+  now 0.92x and 0.90x (0.90x with jax's grad)."""
   from jaxdist.bench import wresnet
   config = wresnet.WResNetConfig(image_size=16, base_width=16, width_factor=2)
   est = jd.estimate(wresnet.train_step(grad), wresnet.create_state(config, tx=optax.adam(1e-3)),
