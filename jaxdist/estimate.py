@@ -651,26 +651,14 @@ def _early_copies(result, timeline: Timeline, marker) -> list[tuple[int, float, 
   early, its stage programs' estimates went from 0.90-1.00x to 1.09-1.12x).
   """
   update = len(timeline.eqns) if marker is None else timeline.position[id(marker)]
-  from jaxdist.shard.planner import hoisted_flows
-  plan = result.mesh_plan
-  graph, choice = plan.graph, plan.solution.choice
-  sizes = dict(zip(plan.lmesh.axis_names, plan.lmesh.shape))
-  made = {}  # (source, output, layout) -> [last reader's position, bytes, readers, gathered]
-  for flow in hoisted_flows(result.step.closed_jaxpr.jaxpr, graph, result.step,
-                            lambda e: id(e) in timeline.position):
-    src, dst = graph.nodes[flow.src], graph.nodes[flow.dst]
-    want = flow.required[choice[dst.group]]
-    have = src.strategies[choice[src.group]].out_specs[flow.pos]
-    if want is None or want == have:
-      continue
-    copy = made.setdefault((flow.src, flow.pos, want), [
-        0, flow.full_bytes / num_shards(want, sizes), set(),
-        num_shards(want, sizes) < num_shards(have, sizes)])
-    copy[0] = max(copy[0], timeline.position[id(dst.eqn)])
-    copy[2].add(flow.dst)
-  first_read = lambda readers: min(timeline.position[id(graph.nodes[k].eqn)] for k in readers)
-  return [(end, b, readers) for end, b, readers, gathered in made.values()
-          if gathered or first_read(readers) > update]
+  graph = result.mesh_plan.graph
+  out = []
+  for b, gathered, flows in _resharded_copies(
+      result, lambda e: id(e) in timeline.position).values():
+    read = [timeline.position[id(graph.nodes[f.dst].eqn)] for f in flows]
+    if gathered or min(read) > update:
+      out.append((max(read), b, {f.dst for f in flows}))
+  return out
 
 
 def _planned_flops(plan) -> float:
@@ -739,38 +727,55 @@ def _micro_sizes(planned):
 
 def _hoisted_copies(planned, gathered: dict) -> list[tuple[int | None, float]]:
   """The resharded copies XLA makes before the micro-batch loop under a shard plan
-  (``planner.hoisted_flows``), per copy: its reader's index in the micro-batch program
+  (:func:`_resharded_copies`), per copy: its reader's index in the micro-batch program
   (None for a reader inside the loop, or one without a counterpart there: kept to the
   loop's end) and its bytes per device. The loop's readers of the ``gathered`` inputs
   (by position) read those: they are not copies of their own."""
   from jaxdist.shard.micro import looped_eqns
-  from jaxdist.shard.planner import hoisted_flows
   result = planned.shard_plan
-  graph, choice, lmesh = (result.mesh_plan.graph, result.mesh_plan.solution.choice,
-                          result.mesh_plan.lmesh)
+  graph = result.mesh_plan.graph
   full = result.step.closed_jaxpr.jaxpr
   if result.step.marker_index is None or planned.step.micro_jaxpr is None:
     return []
   looped = looped_eqns(full, result.step)  # (graph.loop would trace the micro-batch step)
   index = {id(e): i for i, e in enumerate(full.eqns)}
-  sizes = dict(zip(lmesh.axis_names, lmesh.shape))
-  made = {}  # (source, its output, layout) -> [last reader's index (None: in the loop), bytes]
-  for flow in hoisted_flows(full, graph, result.step, lambda e: id(e) in index):
-    src, dst = graph.nodes[flow.src], graph.nodes[flow.dst]
-    want = flow.required[choice[dst.group]]
-    if src.eqn is None and src.input_index in gathered and id(dst.eqn) in looped:
-      continue
-    if want is not None and want != src.strategies[choice[src.group]].out_specs[flow.pos]:
-      # One copy per value and layout, however many read it.
-      copy = made.setdefault((flow.src, flow.pos, want),
-                             [-1, flow.full_bytes / num_shards(want, sizes)])
-      if copy[0] is not None:
-        copy[0] = None if id(dst.eqn) in looped else max(copy[0], index[id(dst.eqn)])
-  copies = [tuple(c) for c in made.values()]
+  copies = []
+  for (source, _, _), (b, _, flows) in _resharded_copies(result, lambda e: id(e) in index).items():
+    src = graph.nodes[source]
+    readers = [graph.nodes[f.dst].eqn for f in flows]
+    if src.eqn is None and src.input_index in gathered:
+      readers = [e for e in readers if id(e) not in looped]
+    if readers:
+      copies.append((None if any(id(e) in looped for e in readers)
+                     else max(index[id(e)] for e in readers), b))
   if any(reader is not None for reader, _ in copies):  # (aligning takes 0.1-0.4 s on a GPT)
     micro = planned.step.micro_jaxpr.jaxpr
     in_micro = {i: j for j, i in jaxpr_util.align(micro.eqns, full.eqns).items()}
     copies = [(None if i is None else in_micro.get(i), b) for i, b in copies]
+  return copies
+
+
+def _resharded_copies(result, in_program) -> dict:
+  """The copies of values no batch input reaches (``planner.hoisted_flows`` into the
+  equations where ``in_program(eqn)``) that a reader wants in another layout than the
+  plan gives them: one per value and layout, however many read it, as (source node, its
+  output, layout) → (bytes per device as the backend holds them (XLA:CPU: 16-bit floats
+  as f32, as the collectives move them), whether it gathers: fewer shards than the
+  source's, the flows reading it)."""
+  from jaxdist.shard.planner import hoisted_flows
+  plan = result.mesh_plan
+  graph, choice = plan.graph, plan.solution.choice
+  sizes = dict(zip(plan.lmesh.axis_names, plan.lmesh.shape))
+  copies: dict = {}
+  for flow in hoisted_flows(result.step.closed_jaxpr.jaxpr, graph, result.step, in_program):
+    src, dst = graph.nodes[flow.src], graph.nodes[flow.dst]
+    want = flow.required[choice[dst.group]]
+    have = src.strategies[choice[src.group]].out_specs[flow.pos]
+    if want is not None and want != have:
+      copies.setdefault((flow.src, flow.pos, want), (
+          plan.cost_model.combining.collective_bytes(
+              flow.full_bytes / num_shards(want, sizes), flow.dtype),
+          num_shards(want, sizes) < num_shards(have, sizes), []))[2].append(flow)
   return copies
 
 
