@@ -49,6 +49,14 @@ FUSING_READERS = FUSIBLE | REDUCTIONS | {"reshape", "squeeze", "expand_dims", "t
 BITCASTS = frozenset({"reshape", "squeeze", "expand_dims", *jaxpr_util.MARKERS})
 CALLS = frozenset({*jaxpr_util.PLAN_CALLS, "remat", "checkpoint", "custom_lin"})
 LOOPS = frozenset({"scan", "while", "cond"})
+# What XLA's fusion recomputes in every fusion that reads it instead of writing it once
+# (its cheap instructions, ``InstructionFusion::IsExpensive``): no division, exponential,
+# logarithm, root or hyperbolic function.
+CHEAP = frozenset("""
+add add_any sub mul neg max min select_n convert_element_type copy eq ne lt le gt ge and or
+not xor abs sign floor ceil round clamp integer_pow square is_finite stop_gradient
+shift_left shift_right_logical shift_right_arithmetic broadcast_in_dim iota
+""".split())
 # Random bits: XLA:CPU runs threefry as a loop whose state (counters, keys, copies around
 # the loop) is arrays of the draw's shape in 32-bit words: measured on a ViT's dropout
 # draws, 7 such arrays beside the result while the loop runs.
@@ -108,7 +116,8 @@ class Timeline:
     outputs = {self.buffer_of(v) for v in jaxpr.outvars if not isinstance(v, jex.Literal)}
     # A fused result is recomputed inside each reader's fusion: its operands stay live
     # until its last reader (walked backwards, so chains of fused values carry through).
-    fused = [_fused(eqn, outs, readers, outputs) for eqn, _, outs in self.eqns]
+    static = _static(self.eqns, jaxpr.constvars)
+    fused = [_fused(eqn, outs, readers, outputs, static) for eqn, _, outs in self.eqns]
     for i in range(n - 1, -1, -1):
       eqn, ins, outs = self.eqns[i]
       if fused[i] or eqn.primitive.name in BITCASTS:
@@ -300,7 +309,7 @@ def _dot_order(eqn, side: int) -> tuple[int, ...] | None:
   return None if order == tuple(range(rank)) else order
 
 
-def _fused(eqn, outs, readers, outputs) -> bool:
+def _fused(eqn, outs, readers, outputs, static=frozenset()) -> bool:
   """Whether XLA fuses ``eqn`` into its reader instead of writing its result: an
   elementwise op (or broadcast) read by exactly one op that fuses its operands. A value
   read more than once is written once (measured on the CPU backend: a GPT's residual
@@ -311,7 +320,18 @@ def _fused(eqn, outs, readers, outputs) -> bool:
     return True  # folded into the dots' dimension numbers (XLA's transpose folding)
   if eqn.primitive.name not in FUSIBLE or any(o in outputs for o in outs):
     return False
-  return len(names) <= 1 and all(r in FUSING_READERS for r in names)
+  if len(names) > 1 and not (eqn.primitive.name in CHEAP and all(o in static for o in outs)):
+    return False
+  return all(r in FUSING_READERS for r in names)
+
+
+def _static(eqns, constvars) -> set:
+  """The values computed from constants alone (a causal mask from iotas)."""
+  static = set(constvars)
+  for eqn, ins, outs in eqns:
+    if eqn.primitive.name not in LOOPS and all(v in static for v in ins):
+      static.update(outs)
+  return static
 
 
 def _first_body(eqn):
@@ -322,10 +342,13 @@ def _first_body(eqn):
 
 def _linear(jaxpr) -> tuple[list[tuple], dict]:
   """(eqn, invars, outvars) in program order with calls flattened (literals dropped), and
-  the renaming of call results to their bodies' values."""
+  the renaming of call results to their bodies' values. A body's values get fresh
+  variables at each call: calls of one body (the blocks of a model under ``nn.remat``,
+  whose traces jax shares) would otherwise share them, and each block's values would
+  live until the last block read its own."""
   out, top = [], {}
 
-  def visit(jx, rename):
+  def visit(jx, rename, fresh):
     for eqn in jx.eqns:
       ins = [rename.get(v, v) for v in eqn.invars if not isinstance(v, jex.Literal)]
       if eqn.primitive.name in CALLS:
@@ -335,13 +358,17 @@ def _linear(jaxpr) -> tuple[list[tuple], dict]:
           for bv, v in zip(body.jaxpr.invars, eqn.invars):
             if not isinstance(v, jex.Literal):
               inner[bv] = rename.get(v, v)
-          visit(body.jaxpr, inner)
+          visit(body.jaxpr, inner, True)
           # The call's outputs are its body's outputs.
           for o, bo in zip(eqn.outvars, body.jaxpr.outvars):
             if not isinstance(bo, jex.Literal):
               rename[o] = inner.get(bo, bo)
           continue
-      out.append((eqn, ins, list(eqn.outvars)))
+      outs = list(eqn.outvars)
+      if fresh:
+        outs = [o if isinstance(o, jex.DropVar) else rename.setdefault(o, jex.Var(o.aval))
+                for o in outs]
+      out.append((eqn, ins, outs))
 
-  visit(jaxpr, top)
+  visit(jaxpr, top, False)
   return out, top

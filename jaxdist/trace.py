@@ -30,6 +30,7 @@ from jax import tree_util
 from jaxdist import errors
 from jaxdist import jaxpr_util
 from jaxdist.grad import GRAD, grad_marker_p
+from jaxdist.recompute import tie_recomputations
 
 BATCH, PARAM, OPTIMIZER, INPUT = "batch", "param", "optimizer", "input"
 
@@ -298,6 +299,8 @@ def _trace_flat(fun, args, dyn_argnums, in_tree, flat_args):
   if num_markers:
     closed = jaxpr_util.without_dead_gradients(jaxpr_util.inline_calls(closed),
                                                grad_marker_p.name, GRAD)
+  closed = tie_recomputations(closed)
+  if num_markers:
     found = jaxpr_util.find_eqns(closed.jaxpr, grad_marker_p.name)
     if num_markers == 1 and len(found) == 1:
       marker_index = found[0]

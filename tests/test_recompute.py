@@ -3,6 +3,7 @@
 import functools
 
 import jax
+import flax.linen as nn
 import optax
 import pytest
 
@@ -85,3 +86,46 @@ def test_recomputed_blocks_with_dropout_save_memory(method_cls):
   assert temp["DropoutBlock"] < 0.7 * temp[None], temp
   expected = jax.jit(step)(state, batch)
   assert_trees_close(exe(state, batch), expected, rtol=1e-5, atol=1e-6)
+
+
+class _OwnRematGPT(nn.Module):
+  """models.GPT with the model's own nn.remat around each block (or not)."""
+  config: models.GPTConfig
+  remat: bool
+
+  @nn.compact
+  def __call__(self, tokens):
+    c = self.config
+    x = models.embed(self, c, tokens)
+    block = nn.remat(models.Block) if self.remat else models.Block
+    for i in range(c.depth):
+      x = block(c, name=f"block_{i}")(x)
+    return nn.Dense(c.vocab)(nn.LayerNorm()(x))
+
+
+@pytest.mark.parametrize("method", [jd.DataParallel(), jd.Zero3Parallel(),
+                                    jd.ShardParallel(logical_mesh_shape=(8,))],
+                         ids=lambda m: m.name)
+def test_a_model_s_own_remat_blocks_save_memory(method):
+  """XLA:CPU drops the optimization barrier jax.checkpoint puts before a recomputation and
+  ran every block's right after the forward pass: nn.remat saved nothing (1.00x of the
+  plain step's temporaries with jax.value_and_grad under each method). jaxdist ties each
+  recomputation to its incoming cotangent: 0.34x, 0.34x, 0.41x. The estimate follows
+  (DataParallel and ZeRO-3 within 10%; it was 1.52x and 1.65x, each block's recomputed
+  values counted as live until the last block's, since the blocks share one traced body).
+  ShardParallel's estimate is left out: 0.81x, an activation XLA gathers early."""
+  config = models.GPTConfig(vocab=128, width=64, heads=4, depth=4, seq_len=128)
+  batch = models.token_batch(32, config)
+  temp, results = {}, {}
+  for remat in (False, True):
+    state = models.create_state(_OwnRematGPT(config, remat), batch["tokens"][:, :-1],
+                                tx=optax.sgd(0.1, momentum=0.9))
+    step = jd.parallelize(models.lm_step(), method=method)
+    temp[remat] = step.get_executable(state, batch).memory_analysis().temp_size_in_bytes
+    results[remat] = step(state, batch)
+  assert temp[True] < 0.5 * temp[False], temp
+  assert_trees_close(results[True], results[False], rtol=1e-5, atol=1e-6)
+  if not isinstance(method, jd.ShardParallel):
+    est = jd.estimate(models.lm_step(jd.value_and_grad), state, batch, method=method,
+                      compile=True)
+    assert abs(est.memory_per_device / est.compiled["total"] - 1) < 0.1, est.summary()
