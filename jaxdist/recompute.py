@@ -26,6 +26,7 @@ import functools
 import math
 
 import jax
+import jax.extend.core as jex
 import jax.numpy as jnp
 
 from jaxdist import errors, jaxpr_util
@@ -195,8 +196,8 @@ def tie_recomputations(closed):
   ``_tied`` copies. Equations at the top level only: one inside a loop already waits for
   its iteration of the backward pass. Without this, XLA:CPU recomputed every block right
   after the forward pass and a model written with ``nn.remat`` kept all its activations
-  (an encoder of 4 ``nn.remat`` blocks, width 256: 97.5 MB of temporaries, the same as
-  without ``nn.remat``)."""
+  (a 4-block GPT: the same temporaries as without ``nn.remat`` under DataParallel, ZeRO-3
+  and ShardParallel; tied, 0.34x, 0.34x and 0.41x of them)."""
   jaxpr = closed.jaxpr
   produced = {o for e in jaxpr.eqns for o in e.outvars}
   if not any(_recomputation(e) for e in jaxpr.eqns):
@@ -205,12 +206,13 @@ def tie_recomputations(closed):
   for eqn in jaxpr.eqns:
     if _recomputation(eqn):
       *rest, cotangent = eqn.invars
-      tie = [k for k, v in enumerate(rest) if v in produced and v is not cotangent]
-      if tie and not isinstance(cotangent, jax.extend.core.Literal) and math.prod(
+      tie = [k for k, v in enumerate(rest) if not isinstance(v, jex.Literal)
+             and v in produced and v is not cotangent]
+      if tie and not isinstance(cotangent, jex.Literal) and math.prod(
           cotangent.aval.shape) and jnp.issubdtype(cotangent.aval.dtype, jnp.inexact):
         call = _tie_call(cotangent.aval, tuple(rest[k].aval for k in tie))
-        outs = [jax.extend.core.Var(rest[k].aval) for k in tie]
-        eqns.append(jax.extend.core.new_jaxpr_eqn(
+        outs = [jex.Var(rest[k].aval) for k in tie]
+        eqns.append(jex.new_jaxpr_eqn(
             [cotangent, *(rest[k] for k in tie)], outs, call.primitive, call.params,
             call.effects, eqn.source_info, eqn.ctx))
         invars = list(eqn.invars)
@@ -218,7 +220,7 @@ def tie_recomputations(closed):
           invars[k] = o
         eqn = eqn.replace(invars=invars)
     eqns.append(eqn)
-  return jax.extend.core.ClosedJaxpr(jaxpr.replace(eqns=eqns), closed.consts)
+  return jex.ClosedJaxpr(jaxpr.replace(eqns=eqns), closed.consts)
 
 
 def _recomputation(eqn) -> bool:
@@ -228,9 +230,15 @@ def _recomputation(eqn) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def _tie_call(cotangent, avals):
-  """A jit call equation computing ``_tied(x, 0 × cotangent[0, ..., 0])`` of each value."""
+  """A jit call equation computing each value tied to the cotangent: ``x + 0 × c``
+  elementwise where they have one shape and ``x`` is a float (the block's input and its
+  cotangent: both split alike, so no device needs another's part), else ``_tied(x, 0 ×
+  c[0, ..., 0])`` (under ShardParallel, one element of a batch-split cotangent is on one
+  device: each block's took an all-gather of the whole cotangent)."""
   def tie(c, *xs):
     first = jax.lax.reshape(jax.lax.slice(c, (0,) * c.ndim, (1,) * c.ndim), ())
-    return [_tied(x, first * 0) for x in xs]
+    return [x + (c * 0).astype(x.dtype)
+            if x.shape == c.shape and jnp.issubdtype(x.dtype, jnp.inexact)
+            else _tied(x, first * 0) for x in xs]
   shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (cotangent, *avals)]
   return jax.make_jaxpr(jax.jit(tie))(*shapes).jaxpr.eqns[0]
