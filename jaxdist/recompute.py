@@ -13,7 +13,7 @@ XLA:CPU removes such barriers before it schedules (measured on jax 0.10.2), so e
 block's recomputation could run as soon as the forward finished, and nothing was saved
 (a depth-8 GPT: 309 MB of temporaries with or without it). :func:`tied_checkpoint`
 makes the recomputation data-dependent on the incoming cotangent instead (adding
-``0 × one cotangent element``, which XLA does not fold for floats), so it can only run
+``0 × cotangent``, which XLA does not fold for floats), so it can only run
 when the backward pass reaches the block: 47 MB on the same GPT.
 """
 
@@ -117,8 +117,8 @@ def with_recompute(fun):
 def tied_checkpoint(f, *args):
   """``f(*args)``, saving only its inputs; the backward pass recomputes ``f``.
 
-  The recomputation reads the inputs plus ``0 × (first cotangent element)``, so it
-  cannot be scheduled before the cotangent exists (see the module docstring); so does
+  The recomputation reads the inputs tied to the first cotangent (:func:`_tie_all`), so
+  it cannot be scheduled before the cotangent exists (see the module docstring); so does
   a random key it closes over. Values ``f`` closes over (flax parameters, keys) become
   inputs, and parameters get their gradients too. Non-array arguments are closed over.
   """
@@ -150,11 +150,10 @@ def tied_checkpoint(f, *args):
     return converted(*xs), xs
 
   def bwd(xs, cotangent):
-    zero = jax.tree.leaves(cotangent)[0].reshape(-1)[0] * 0
     float_args = any(jnp.issubdtype(x.dtype, jnp.inexact) for x in xs[:num_args])
-    tied = [_tied(x, zero) if (k < num_args or not float_args or _is_key(x)) else x
-            for k, x in enumerate(xs)]
-    _, vjp = jax.vjp(converted, *tied)
+    pick = [k < num_args or not float_args or _is_key(x) for k, x in enumerate(xs)]
+    tied = iter(_tie_all([x for x, p in zip(xs, pick) if p], jax.tree.leaves(cotangent)[0]))
+    _, vjp = jax.vjp(converted, *[next(tied) if p else x for x, p in zip(xs, pick)])
     return vjp(cotangent)
 
   checkpointed.defvjp(fwd, bwd)
@@ -166,8 +165,26 @@ def _is_key(x) -> bool:
   return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) or x.dtype == jnp.uint32
 
 
+def _tie_all(xs, c) -> list:
+  """Each of ``xs`` made to depend on the cotangent ``c`` without changing it: ``x + 0 ×
+  c`` elementwise where ``x`` is a float of ``c``'s shape (a block's input, split as its
+  cotangent is, so no device needs another's part), else :func:`_tied` to ``max(0 × c)``.
+  Tied to one element of ``c`` instead, ShardParallel gathered each block's batch-split
+  cotangent whole for it (a 4-block GPT: 4 all-gathers of 1 MB per step)."""
+  zero = None
+  out = []
+  for x in xs:
+    if x.shape == c.shape and jnp.issubdtype(x.dtype, jnp.inexact):
+      out.append(x + (c * 0).astype(x.dtype))
+      continue
+    if zero is None:
+      zero = jnp.max(c * 0)
+    out.append(_tied(x, zero))
+  return out
+
+
 def _tied(x, zero):
-  """``x`` made to depend on ``zero`` (``0 × a cotangent element``) without changing it:
+  """``x`` made to depend on ``zero`` (``0 × cotangent``, a scalar) without changing it:
   a float plus it, an integer or a key plus ``(zero == 1)``, which is never true (0 × c is
   0 or NaN) and which XLA cannot fold. A key matters: the dropout draws of a recomputed
   block depend only on it, and XLA:CPU could otherwise generate every recomputed block's
@@ -230,15 +247,8 @@ def _recomputation(eqn) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def _tie_call(cotangent, avals):
-  """A jit call equation computing each value tied to the cotangent: ``x + 0 × c``
-  elementwise where they have one shape and ``x`` is a float (the block's input and its
-  cotangent: both split alike, so no device needs another's part), else ``_tied(x, 0 ×
-  c[0, ..., 0])`` (under ShardParallel, one element of a batch-split cotangent is on one
-  device: each block's took an all-gather of the whole cotangent)."""
+  """A jit call equation computing :func:`_tie_all` of values of ``avals``."""
   def tie(c, *xs):
-    first = jax.lax.reshape(jax.lax.slice(c, (0,) * c.ndim, (1,) * c.ndim), ())
-    return [x + (c * 0).astype(x.dtype)
-            if x.shape == c.shape and jnp.issubdtype(x.dtype, jnp.inexact)
-            else _tied(x, first * 0) for x in xs]
+    return _tie_all(xs, c)
   shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (cotangent, *avals)]
   return jax.make_jaxpr(jax.jit(tie))(*shapes).jaxpr.eqns[0]
