@@ -5,7 +5,8 @@ last reader. What XLA keeps out of memory is left out:
 
 - an elementwise (or broadcast) result read by exactly one elementwise op or reduction
   is fused into it (loop and input fusion) and never written; its operands then live
-  until that reader;
+  until that reader; so is a cheap one computed from constants alone (a causal mask),
+  whatever its number of such readers;
 - reshapes and markers are bitcasts: their result shares the operand's buffer; a
   transpose read only by dots is folded into them;
 - a scatter or dynamic_update_slice whose operand is read by nothing after it writes
@@ -17,7 +18,7 @@ last reader. What XLA keeps out of memory is left out:
   neither is a temporary.
 
 Calls (``pjit``, ``custom_jvp_call``, ``custom_vjp_call``, ``remat``) are walked through
-in place; a loop (``scan``, ``while``) or ``cond`` adds its body's own peak while it runs,
+in place, with fresh values at each call of one body; a loop (``scan``, ``while``) or ``cond`` adds its body's own peak while it runs,
 with each iteration's values at their per-iteration size.
 
 XLA:CPU stores the bf16 / f16 values it writes between fusions as f32, rounded (the
@@ -313,7 +314,10 @@ def _fused(eqn, outs, readers, outputs, static=frozenset()) -> bool:
   """Whether XLA fuses ``eqn`` into its reader instead of writing its result: an
   elementwise op (or broadcast) read by exactly one op that fuses its operands. A value
   read more than once is written once (measured on the CPU backend: a GPT's residual
-  stream and GELU values, read by the next layer and by the backward, are buffers)."""
+  stream and GELU values, read by the next layer and by the backward, are buffers; so are
+  LayerNorm statistics broadcast to the activations' shape), except a cheap one computed
+  from constants alone (``static``: a causal mask broadcast to the attention scores'
+  shape, which XLA recomputes in every fusion reading it)."""
   names = [r for o in outs for r in readers.get(o, ())]
   if (eqn.primitive.name == "transpose" and names and not any(o in outputs for o in outs)
       and all(r == "dot_general" for r in names)):
