@@ -168,9 +168,10 @@ def _is_key(x) -> bool:
 def _tie_all(xs, c) -> list:
   """Each of ``xs`` made to depend on the cotangent ``c`` without changing it: ``x + 0 ×
   c`` elementwise where ``x`` is a float of ``c``'s shape (a block's input, split as its
-  cotangent is, so no device needs another's part), else :func:`_tied` to ``max(0 × c)``.
-  Tied to one element of ``c`` instead, ShardParallel gathered each block's batch-split
-  cotangent whole for it (a 4-block GPT: 4 all-gathers of 1 MB per step)."""
+  cotangent is, so no device needs another's part), else :func:`_tied` to ``0 × c[0, ...,
+  0]``. Tied to that element, ShardParallel gathered each block's batch-split cotangent
+  whole (a 4-block GPT: 4 all-gathers of 1 MB per step); tied to ``max(0 × c)``, a
+  reduction over the batch, the step read as one mixing examples (``coupling``)."""
   zero = None
   out = []
   for x in xs:
@@ -178,13 +179,13 @@ def _tie_all(xs, c) -> list:
       out.append(x + (c * 0).astype(x.dtype))
       continue
     if zero is None:
-      zero = jnp.max(c * 0)
+      zero = jax.lax.reshape(jax.lax.slice(c, (0,) * c.ndim, (1,) * c.ndim), ()) * 0
     out.append(_tied(x, zero))
   return out
 
 
 def _tied(x, zero):
-  """``x`` made to depend on ``zero`` (``0 × cotangent``, a scalar) without changing it:
+  """``x`` made to depend on ``zero`` (``0 × a cotangent element``) without changing it:
   a float plus it, an integer or a key plus ``(zero == 1)``, which is never true (0 × c is
   0 or NaN) and which XLA cannot fold. A key matters: the dropout draws of a recomputed
   block depend only on it, and XLA:CPU could otherwise generate every recomputed block's
