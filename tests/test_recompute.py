@@ -2,8 +2,8 @@
 
 import functools
 
-import jax
 import flax.linen as nn
+import jax
 import optax
 import pytest
 
