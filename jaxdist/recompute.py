@@ -168,15 +168,23 @@ def _is_key(x) -> bool:
 def _tie_all(xs, c) -> list:
   """Each of ``xs`` made to depend on the cotangent ``c`` without changing it: ``x + 0 ×
   c`` elementwise where ``x`` is a float of ``c``'s shape (a block's input, split as its
-  cotangent is, so no device needs another's part), else :func:`_tied` to ``0 × c[0, ...,
-  0]``. Tied to that element, ShardParallel gathered each block's batch-split cotangent
-  whole (a 4-block GPT: 4 all-gathers of 1 MB per step); tied to ``max(0 × c)``, a
-  reduction over the batch, the step read as one mixing examples (``coupling``)."""
-  zero = None
+  cotangent is, so no device needs another's part); a float with ``c``'s dim 0 plus ``0 ×
+  c`` summed over its other dims, one zero per row (a residual a checkpoint policy saved,
+  attention scores say: split over the batch as ``c`` is); else :func:`_tied` to ``0 ×
+  c[0, ..., 0]``. Tied to that element, ShardParallel gathered each block's batch-split
+  cotangent whole (a 4-block GPT: 4 all-gathers of 1 MB per step); tied to ``max(0 ×
+  c)``, a reduction over the batch, the step read as one mixing examples (``coupling``)."""
+  zero, rows = None, None
   out = []
   for x in xs:
-    if x.shape == c.shape and jnp.issubdtype(x.dtype, jnp.inexact):
+    floating = jnp.issubdtype(x.dtype, jnp.inexact)
+    if x.shape == c.shape and floating:
       out.append(x + (c * 0).astype(x.dtype))
+      continue
+    if floating and x.ndim and c.ndim and x.shape[0] == c.shape[0]:
+      if rows is None:  # one zero per row of dim 0 (the batch's, where both have it)
+        rows = jnp.sum(c * 0, axis=tuple(range(1, c.ndim)))
+      out.append(x + rows.reshape((-1,) + (1,) * (x.ndim - 1)).astype(x.dtype))
       continue
     if zero is None:
       zero = jax.lax.reshape(jax.lax.slice(c, (0,) * c.ndim, (1,) * c.ndim), ()) * 0
