@@ -18,8 +18,9 @@ last reader. What XLA keeps out of memory is left out:
   neither is a temporary.
 
 Calls (``pjit``, ``custom_jvp_call``, ``custom_vjp_call``, ``remat``) are walked through
-in place, with fresh values at each call of one body; a loop (``scan``, ``while``) or ``cond`` adds its body's own peak while it runs,
-with each iteration's values at their per-iteration size.
+in place, with fresh values at each call of one body; a loop (``scan``, ``while``) or
+``cond`` adds its body's own peak while it runs, with each iteration's values at their
+per-iteration size.
 
 XLA:CPU stores the bf16 / f16 values it writes between fusions as f32, rounded (the
 optimized module's ``convert(convert(x))`` pairs and f32 fusion outputs), so on that
