@@ -335,7 +335,7 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
       sums, rows = iter(sums), iter(rows)
       sums = [next(rows).reshape(-1, *v.aval.shape[1:]) if e else next(sums)
               for v, e in zip(grad_marker_eqn.invars, per_example)]
-    if normalizer is not None and axes is not None:
+    if normalizer is not None and axes is not None and num_shards > 1:
       weight = jax.lax.psum(weight, axes)
     reduced = []
     for j, (x, spec) in enumerate(zip(sums, reduce_specs)):
@@ -347,7 +347,7 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
           x = x / weight.astype(x.dtype)
         else:
           x = x / (k * num_shards) if scales[j] is None else x * scales[j]
-      if axes is None:
+      if axes is None or num_shards == 1:
         reduced.append(x)
       elif spec is None:
         reduced.append(jax.lax.psum(x, axes))

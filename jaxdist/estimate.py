@@ -409,7 +409,7 @@ def _split_step(planned, closed, size=nbytes, gathered_inputs=None, hoisted=None
     pm = timeline.position[id(marker)]
     grads = [(i, v) for i, (v, kind) in enumerate(zip(marker.invars, marker.params["kinds"]))
              if kind == GRAD]
-    starts, local, scattered = [], 0.0, []
+    starts, ends, local, scattered = [], [], 0.0, []
     per_leaf = _updates_per_leaf(timeline, pm)
     for i, v in grads:
       b = timeline.buffer_of(v)
@@ -419,8 +419,13 @@ def _split_step(planned, closed, size=nbytes, gathered_inputs=None, hoisted=None
       spec = layout.grad_reduce_specs[i]
       reduced = nb if spec is None else nb / batch_shards
       starts.append(start)
+      ends.append(end)
       local += nb
-      if k == 1 and combined and spec is None:
+      if batch_shards == 1:  # nothing to reduce (``accumulate`` emits no collective):
+        # added into the accumulator, or, where each leaf's update reads its own
+        # gradient only, updated as produced
+        timeline.buffers[b] = [start, start if k > 1 or per_leaf else end, nb]
+      elif k == 1 and combined and spec is None:
         timeline.buffers[b] = [start, pm, nb]  # waits for the combined all-reduce
         timeline.add(("reduced", i), pm, end, reduced)
       elif k == 1:
@@ -433,7 +438,8 @@ def _split_step(planned, closed, size=nbytes, gathered_inputs=None, hoisted=None
         timeline.add(("reduced", i), pm, end, reduced)
       labels[b] = labels[("reduced", i)] = "grads"
     if k > 1 and starts:
-      timeline.add("accumulator", min(starts), pm, local)
+      # (on one device the accumulator is the gradient the update reads)
+      timeline.add("accumulator", min(starts), pm if batch_shards > 1 else max(ends), local)
       labels["accumulator"] = "grads"
     if gathered_inputs:
       # Inputs the plan splits over the batch axes enter the gradient part gathered over

@@ -203,7 +203,8 @@ def data_parallel_layout(method: m.Method, step: TracedStep, lmesh: LogicalMesh)
         shard_largest_dim(v.aval.shape, lmesh) if kind == GRAD and sharded_roles else None
         for kind, v in zip(marker.params["kinds"], marker.invars))
   stream = None
-  if isinstance(method, m.Zero3Parallel) and grad_reduce_specs is not None:
+  if (isinstance(method, m.Zero3Parallel) and grad_reduce_specs is not None
+      and lmesh.num_devices > 1):  # (a gather over one device is a copy)
     stream = {k: spec for k, (leaf, spec) in enumerate(zip(step.inputs, in_specs))
               if leaf.role == PARAM and spec != REPLICATED}
   return Layout(lmesh, tuple(in_specs), tuple(out_specs), tuple(out_constraints), tuple(notes),

@@ -7,6 +7,8 @@ of size ~lr whose sign follows reduction-order noise, so its parameters are comp
 at atol = lr / 5 and its loss at rtol 1e-5.
 """
 
+import re
+
 import jax
 import optax
 import pytest
@@ -67,3 +69,27 @@ def test_adam_mlp(method_cls):
   actual = jd.parallelize(models.regression_step(), method=method_cls())(make(), batch)
   assert_trees_close(actual[1], expected[1], rtol=1e-5, atol=0)
   assert_trees_close(actual[0].params, expected[0].params, rtol=0, atol=lr / 5)
+
+
+@pytest.mark.parametrize("method_cls", METHODS)
+@pytest.mark.parametrize("k", [1, 2])
+def test_one_device_compiles_no_collective(method_cls, k):
+  """On one device a method's gradient reduction (and ZeRO-3's gathers) would move
+  nothing, but XLA keeps a psum over a one-device axis as an all-reduce, which copies:
+  a 4-layer MLP of width 1024 (16 MB of gradients) ran 28 ms per step under
+  DataParallel against 6.7 ms under jax.jit, on this CPU. The estimate knows there is
+  no reduced copy of the gradients (it was 1.22x of XLA's bytes before it did)."""
+  batch = models.regression_batch(16, 32)
+  model = models.MLP(hidden=64, num_layers=3)
+  make = lambda: models.create_state(model, batch["x"], tx=optax.adam(1e-2))
+  step_fn = models.regression_step(jd.value_and_grad)
+  method = method_cls(devices=jax.devices()[:1], num_micro_batches=k)
+  f = jd.parallelize(step_fn, method=method)
+  exe = f.get_executable(make(), batch)
+  assert not re.search(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all)(-start)?\(",
+                       exe.get_hlo_text())
+  est = jd.estimate(step_fn, make(), batch, method=method)
+  assert est.memory_per_device / exe.get_total_allocation_size() == pytest.approx(1, abs=0.1)
+  expected = _two_steps(jax.jit(step_fn), make(), batch)
+  for a, e in zip(_two_steps(f, make(), batch), expected):
+    assert_trees_close(a, e, rtol=1e-5, atol=2e-3)
