@@ -108,6 +108,21 @@ def test_a_profile_calibrates_compute_time(tmp_path, monkeypatch):
   assert jd.estimate(step, state, batch, method=stated).communication_s == given.communication_s
 
 
+@pytest.mark.parametrize("sizes, cores, share", [
+    ((4, 4), 2, 0.5),  # one stage busy: 4 devices on 2 cores, half of 8 on 2
+    ((2, 2, 2, 2), 2, 0.5),  # 1, 2, 3 of 4 stages busy while filling and draining
+    ((4, 4), 4, 0.5),
+    ((4, 4), 8, 1.0),  # a core per device: idle stages free nothing
+    ((6, 2), 2, 0.5)])  # stage 0 alone fills, stage 1 alone drains
+def test_a_pipeline_bubble_on_cpu_devices_sharing_cores(monkeypatch, sizes, cores, share):
+  from types import SimpleNamespace
+
+  from jaxdist.pipeline import estimate as pipeline_estimate
+  monkeypatch.setattr(pipeline_estimate, "_host_cores", lambda: cores)
+  stages = [SimpleNamespace(num_devices=n) for n in sizes]
+  assert pipeline_estimate._bubble_share(stages) == pytest.approx(share)
+
+
 def test_calibration_measures_the_program_the_estimate_models():
   # DataParallel runs each reference step as one program per device with one explicit
   # gradient reduction, as the estimate models it (XLA's own partitioning of a plain
