@@ -342,23 +342,34 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
       if per_example[j]:  # this device's rows, in batch order
         reduced.append(x)
         continue
-      if jnp.issubdtype(x.dtype, jnp.inexact):
+
+      def scaled(x, j=j):
+        if not jnp.issubdtype(x.dtype, jnp.inexact):
+          return x
         if weighted[j]:
-          x = x / weight.astype(x.dtype)
-        else:
-          x = x / (k * num_shards) if scales[j] is None else x * scales[j]
+          return x / weight.astype(x.dtype)
+        return x / (k * num_shards) if scales[j] is None else x * scales[j]
+
+      # Scaled after the reduction, on the (scattered) result: XLA:CPU does not fuse an
+      # elementwise op into a collective's operand, so scaling before it wrote a second
+      # whole gradient (an embedding table's scatter-added gradient under ZeRO-2: two
+      # 5.1 MB buffers). float16 is scaled first: its sum could overflow.
+      early = x.dtype == jnp.float16 or axes is None or num_shards == 1
+      if early:
+        x = scaled(x)
       if axes is None or num_shards == 1:
-        reduced.append(x)
+        out = x
       elif spec is None:
-        reduced.append(jax.lax.psum(x, axes))
+        out = jax.lax.psum(x, axes)
       elif j in split_inside:
         dim = next(d for d, entry in enumerate(spec) if entry is not None)
         size = x.shape[dim] // num_shards
-        reduced.append(jax.lax.dynamic_slice_in_dim(
-            jax.lax.psum(x, axes), jax.lax.axis_index(axes) * size, size, dim))
+        out = jax.lax.dynamic_slice_in_dim(
+            jax.lax.psum(x, axes), jax.lax.axis_index(axes) * size, size, dim)
       else:
         dim = next(d for d, entry in enumerate(spec) if entry is not None)
-        reduced.append(jax.lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True))
+        out = jax.lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)
+      reduced.append(out if early else scaled(out))
     return tuple(reduced)
 
   streamed = stream_inputs if axes is not None else None

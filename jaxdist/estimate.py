@@ -23,7 +23,6 @@ mesh's α-β costs.
 
 from __future__ import annotations
 
-import bisect
 import collections
 import dataclasses
 import math
@@ -398,8 +397,9 @@ def _split_step(planned, closed, size=nbytes, gathered_inputs=None, hoisted=None
   ``hoisted``: the copies made before the loop (:func:`_hoisted_copies`)."""
   layout = planned.layout
   lmesh, k = layout.logical_mesh, layout.num_micro_batches
-  timeline = Timeline(closed.jaxpr, size, lmesh.devices[0].platform)
   jaxpr = closed.jaxpr
+  timeline = Timeline(jaxpr, size, lmesh.devices[0].platform,
+                      frozenset(jaxpr.invars[i] for i in layout.stream_inputs or ()))
   markers = [e for e, _, _ in timeline.eqns if e.primitive.name == jaxpr_util.IDENTITY_MARKER]
   marker = markers[0] if layout.grad_reduce_specs is not None and len(markers) == 1 else None
   combined = "all-reduce" in combining_for(lmesh.devices[0].platform).kinds
@@ -409,13 +409,18 @@ def _split_step(planned, closed, size=nbytes, gathered_inputs=None, hoisted=None
     pm = timeline.position[id(marker)]
     grads = [(i, v) for i, (v, kind) in enumerate(zip(marker.invars, marker.params["kinds"]))
              if kind == GRAD]
-    starts, ends, local, scattered = [], [], 0.0, []
+    starts, ends, local = [], [], 0.0
     per_leaf = _updates_per_leaf(timeline, pm)
+    written = {}  # buffer → the last position writing it before the marker
+    for pos, (_, _, outs) in enumerate(timeline.eqns[:pm]):
+      for o in outs:
+        written[timeline.buffer_of(o)] = pos
     for i, v in grads:
       b = timeline.buffer_of(v)
       if b not in timeline.buffers:
         continue
-      start, end, nb = timeline.buffers[b]
+      first, end, nb = timeline.buffers[b]
+      start = written.get(b, first)  # complete (a scatter's zeros are made earlier)
       spec = layout.grad_reduce_specs[i]
       reduced = nb if spec is None else nb / batch_shards
       starts.append(start)
@@ -424,17 +429,16 @@ def _split_step(planned, closed, size=nbytes, gathered_inputs=None, hoisted=None
       if batch_shards == 1:  # nothing to reduce (``accumulate`` emits no collective):
         # added into the accumulator, or, where each leaf's update reads its own
         # gradient only, updated as produced
-        timeline.buffers[b] = [start, start if k > 1 or per_leaf else end, nb]
+        timeline.buffers[b] = [first, start if k > 1 or per_leaf else end, nb]
       elif k == 1 and combined and spec is None:
-        timeline.buffers[b] = [start, pm, nb]  # waits for the combined all-reduce
+        timeline.buffers[b] = [first, pm, nb]  # waits for the combined all-reduce
         timeline.add(("reduced", i), pm, end, reduced)
       elif k == 1:
-        timeline.buffers[b] = [start, start, nb]  # reduce-scattered as produced
-        scattered.append(b)
+        timeline.buffers[b] = [first, start, nb]  # reduce-scattered as produced
         # and, where each leaf's update reads its own gradient only, updated with it
         timeline.add(("reduced", i), start, start if per_leaf else end, reduced)
       else:
-        timeline.buffers[b] = [start, start, nb]  # added into the accumulator
+        timeline.buffers[b] = [first, start, nb]  # added into the accumulator
         timeline.add(("reduced", i), pm, end, reduced)
       labels[b] = labels[("reduced", i)] = "grads"
     if k > 1 and starts:
@@ -458,18 +462,11 @@ def _split_step(planned, closed, size=nbytes, gathered_inputs=None, hoisted=None
       for label in [l for l in timeline.buffers
                     if isinstance(l, tuple) and l[0] == "relaid" and l[1] in streamed]:
         del timeline.buffers[label]  # made from the gathered copy, where it is used
-      reads = []
       for pos, (eqn, ins, _) in enumerate(timeline.eqns[:pm]):
         gathered = sum(nbytes(v) for v in set(ins) if v in streamed)
         if gathered:
-          reads.append(pos)
           timeline.add(("gathered", pos), pos, pos, gathered)
           labels[("gathered", pos)] = "temporaries"
-      # XLA issues a gradient's reduce-scatter after the next parameter's all-gather.
-      for b in scattered:
-        start = timeline.buffers[b][0]
-        after = reads[bisect.bisect_right(reads, start):]
-        timeline.buffers[b][1] = after[0] if after else start
   else:
     peak = timeline.peak()
     grad_bytes = sum(_bytes(l.shape, l.dtype) / _shards(spec, lmesh)
