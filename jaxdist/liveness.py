@@ -194,7 +194,7 @@ class Timeline:
       ZeRO-3's streamed parameters): measured on a bf16-compute MLP under ZeRO-2, its
       four cast kernels all live at the forward's end."""
     for eqn, ins, outs in self.eqns:
-      if eqn.primitive.name in IN_PLACE and ins:
+      if eqn.primitive.name.startswith("scatter") and ins:
         b = self._root(ins[0])
         if b in static and b in self.buffers:
           self.buffers[b][0] = 0
