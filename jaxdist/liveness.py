@@ -367,8 +367,8 @@ def _fused(eqn, outs, readers, outputs, static=frozenset()) -> bool:
 
 
 def _input_gradients_first(eqns: list) -> list:
-  """``eqns`` with each weight gradient's dot (and the transpose after it) moved after
-  the next dot reading the same cotangent, the layer's input gradient: XLA runs that one
+  """``eqns`` with each weight gradient's dot (and the transpose or cast after it) moved
+  after the next dot reading the same cotangent, the layer's input gradient: XLA runs that one
   first (the backward's next layer waits on it), so the layer's weights, or their bf16
   cast, die before its weight gradient is made. Only weight gradients the marker
   returns (``jaxdist.grad``'s) move. Measured on a bf16-compute MLP under ZeRO-3: in

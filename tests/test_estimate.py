@@ -120,7 +120,7 @@ def test_a_pipeline_bubble_on_cpu_devices_sharing_cores(monkeypatch, sizes, core
   from jaxdist.pipeline import estimate as pipeline_estimate
   monkeypatch.setattr(pipeline_estimate, "_host_cores", lambda: cores)
   stages = [SimpleNamespace(num_devices=n) for n in sizes]
-  assert pipeline_estimate._bubble_share(stages) == pytest.approx(share)
+  assert pipeline_estimate._bubble_share(stages, "cpu") == pytest.approx(share)
 
 
 def test_calibration_measures_the_program_the_estimate_models():

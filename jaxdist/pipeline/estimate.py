@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 
 import jax
@@ -100,7 +101,7 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
   peak = max(stages, key=lambda st: st.memory_per_device)
   slowest = max(stages, key=lambda st: st.seconds_per_micro_batch)
   update_compute, update_communication = _update_seconds(exe, method, calibrated)
-  shared = _bubble_share(stages)
+  shared = _bubble_share(stages, exe._lmesh.devices[0].platform)
   compute = (slowest.compute_s + shared * (sum(st.compute_s for st in stages) - slowest.compute_s)
              + (k - 1) * slowest.compute_s + update_compute)
   communication = (sum(st.communication_s for st in stages)
@@ -161,7 +162,7 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
                   timings=timings)
 
 
-def _bubble_share(stages) -> float:
+def _bubble_share(stages, platform: str) -> float:
   """What the pipeline's bubble costs, as a share of its compute time with every device
   busy (the rate the calibrated stage times hold).
 
@@ -177,7 +178,7 @@ def _bubble_share(stages) -> float:
   """
   sizes = [st.num_devices for st in stages]
   n, cores = sum(sizes), _host_cores()
-  if len(sizes) < 2 or jax.devices()[0].platform != "cpu" or n <= cores:
+  if len(sizes) < 2 or platform != "cpu" or n <= cores:
     return 1.0
   slots = [max(sum(sizes[:j]), cores) + max(sum(sizes[-j:]), cores)
            for j in range(1, len(sizes))]
@@ -185,7 +186,6 @@ def _bubble_share(stages) -> float:
 
 
 def _host_cores() -> int:
-  import os
   return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
