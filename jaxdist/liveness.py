@@ -159,7 +159,7 @@ class Timeline:
     elided = self._fold_scatters_into_sums(readers, end, inputs, outputs)
     self.buffers: dict = {}
     if platform == "cpu":
-      self._relay_inputs(inputs, size)
+      self._relay_operands(inputs, size)
     self.extra = [0.0] * n
     self.position: dict = {}
     for i, (eqn, ins, outs) in enumerate(self.eqns):
@@ -264,14 +264,19 @@ class Timeline:
         break
     return elided
 
-  def _relay_inputs(self, inputs, size) -> None:
+  def _relay_operands(self, inputs, size) -> None:
     """XLA:CPU multiplies in canonical form (lhs batch, free, contracting dims; rhs
     batch, contracting, free; one dim of each after merging): a dot reading an input in
     another order reads a transposed copy of it. XLA makes one such copy per input and
     order, early in the program (it depends on the input only), and keeps it until its
     last dot: measured on a GPT's attention kernels, ``[d, heads, head_dim]`` read by
     the backward's dot over ``(heads, head_dim)``, one copy each live from the start to
-    the backward. Labelled ``("relaid", input, order)``."""
+    the backward. Labelled ``("relaid", input, order)``. A computed operand read out of
+    order is copied at its dot, ``("relaid", value, order, position)``: the output
+    gradient of a dense layer over ``[batch, seq, features]``, read by the weight
+    gradient's dot over ``(batch, seq)`` (a GPT with a vocabulary of 8192: an 8.4 MB copy
+    of the logits' gradient; its DataParallel estimate went from 0.87x to 0.95x of XLA's
+    bytes, ShardParallel's from 0.88x to 1.02x)."""
     last: dict = {}
     for i, (eqn, ins, _) in enumerate(self.eqns):
       if eqn.primitive.name != "dot_general" or len(ins) != 2:  # (a literal operand)
@@ -279,8 +284,14 @@ class Timeline:
       for side, v in enumerate(ins):
         b = self.buffer_of(v)
         order = _dot_order(eqn, side)
-        if b in inputs and order is not None:
+        if order is None:
+          continue
+        if b in inputs:
           last[(b, order)] = i
+        else:
+          # A computed operand is copied where it is read: a weight gradient's dot
+          # reads the output gradient ``[batch, seq, out]`` over ``(batch, seq)``.
+          self.buffers[("relaid", b, order, i)] = [i, i, size(b)]
     for (b, order), i in last.items():
       self.buffers[("relaid", b, order)] = [0, i, size(b)]
 
