@@ -10,8 +10,9 @@ The traced step is split at the gradient marker (``jaxdist.grad``):
   activations are live at a time;
 - after the loop each marked value is reduced across devices exactly once: a
   ``psum`` (replicated result), or a ``psum_scatter`` (reduce-scatter) where the
-  layout wants the gradient sharded (ZeRO). Float values are divided by
-  ``k × devices``: the mean over micro-batches and batch shards, which is the
+  layout wants the gradient sharded (ZeRO); on one device, nothing. Float values are
+  then divided by ``k × devices`` (after the reduction, float16 before it): the mean
+  over micro-batches and batch shards, which is the
   full-batch value for a loss that is a mean over examples; a loss (or aux) that is a
   constant times a sum over the batch (``jnp.sum``, ``-ll.sum() / 100``) is weighted
   by ``coupling.part_scale`` instead (1 for a plain sum), so the parts add up;
