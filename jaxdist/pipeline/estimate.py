@@ -166,7 +166,8 @@ def _bubble_share(stages, platform: str) -> float:
   """What the pipeline's bubble costs, as a share of its compute time with every device
   busy (the rate the calibrated stage times hold).
 
-  1 on accelerators. Simulated CPU devices are threads sharing the host's cores, so
+  1 on accelerators and across processes (each process's devices have their own
+  cores there). Simulated CPU devices in one process are threads sharing its cores, so
   where stages idle the busy ones run faster: with ``b`` devices busy of ``n`` on ``c``
   cores, a stage's compute takes ``max(b, c) / n`` of its time with all ``n`` busy. The
   bubble's ``j``-th slot (of ``stages − 1``) runs the first ``j`` stages while filling
@@ -178,7 +179,7 @@ def _bubble_share(stages, platform: str) -> float:
   """
   sizes = [st.num_devices for st in stages]
   n, cores = sum(sizes), _host_cores()
-  if len(sizes) < 2 or platform != "cpu" or n <= cores:
+  if len(sizes) < 2 or platform != "cpu" or n <= cores or jax.process_count() > 1:
     return 1.0
   slots = [max(sum(sizes[:j]), cores) + max(sum(sizes[-j:]), cores)
            for j in range(1, len(sizes))]
