@@ -118,13 +118,16 @@ def load(devices) -> Profile | None:
     return None
 
 
-def calibrate(devices=None, *, re_profile: bool = False, steps: int = 5) -> Profile:
+def calibrate(devices=None, *, re_profile: bool = False, steps: int = 5,
+              rounds: int = 3) -> Profile:
   """Measures reference steps on ``devices`` (default all) and stores the fitted profile.
 
   Args:
     devices: the devices the estimates are for (a list; default ``jax.devices()``).
     re_profile: measure again even if a profile exists.
-    steps: timed steps per reference step (the median is used).
+    steps: timed steps per reference step and round (the median is used).
+    rounds: rounds over all reference steps; each one's time is the median of its
+      rounds' medians.
 
   Returns:
     The profile (loaded, if one exists and ``re_profile`` is False).
@@ -147,12 +150,21 @@ def calibrate(devices=None, *, re_profile: bool = False, steps: int = 5) -> Prof
   n = len(devices)
   alpha, beta = _link_costs(devices, steps) if n > 1 else (None, None)
   fraction, cap = _sync_costs(devices, steps, alpha) if n > 1 else (None, None)
-  rows, names = [], []
+  references = []
   for name, (step, state, batch) in _reference_steps(n, models, optax):
     method = m.DataParallel(devices=devices)
     est = estimate(step, state, batch, method=method, calibrated=False)
-    f = parallelize(step, method=method)
-    _, _, seconds = time_steps(f, state, batch, num_steps=steps, warmup=2)
+    references.append((name, est, parallelize(step, method=method), state, batch))
+  # Rounds over all references, each reference's time the median of its rounds: one
+  # reference measured through a slow spell (seconds long on shared cores) would bend
+  # every coefficient of the fit.
+  times = {name: [] for name, *_ in references}
+  for r in range(rounds):
+    for name, _, f, state, batch in references:
+      times[name].append(time_steps(f, state, batch, num_steps=steps, warmup=2 if r == 0 else 1)[2])
+  rows, names = [], []
+  for name, est, *_ in references:
+    seconds = float(np.median(times[name]))
     communication = est.communication_s
     if alpha is not None:
       measured = LogicalMesh((n,), alpha=alpha, beta=beta, devices=tuple(devices))
