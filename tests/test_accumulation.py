@@ -315,7 +315,10 @@ def test_shard_parallel_reduces_gradients_once_per_step():
                   if kind in ("all-reduce", "reduce-scatter"))
   param_bytes = sum(x.nbytes for x in jax.tree.leaves(make().params))
   assert wire[1] >= 7 / 8 * param_bytes  # the gradients do cross devices
-  assert wire[4] <= 1.1 * wire[1], comm
+  # At most one all-reduce of every gradient (2 (n-1)/n of its bytes on the wire), not
+  # one per micro-batch. (The k=1 plan may reduce less: it splits the embedding on its
+  # hidden dim, whose gradient is then scattered locally, with no reduction at all.)
+  assert wire[4] <= 1.1 * 2 * 7 / 8 * param_bytes, comm
 
 
 def test_only_one_micro_batch_of_activations_is_live():

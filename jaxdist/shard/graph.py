@@ -290,7 +290,8 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
     rule = rule_for(eqn, cost_model, lambda v: _has_producer(v, producer),
                     lambda v: group_sizes[nodes[producer[v][0]].group],
                     lambda v: v in expanded,
-                    lambda v: _pinned_state(nodes, producer, v, sizes, state_groups))
+                    lambda v: _pinned_state(nodes, producer, v, sizes, state_groups),
+                    micro_batched=loop is not None)
     _track_expanded(eqn, expanded)
     if rule is None or (isinstance(rule, list) and not rule):
       if eqn.primitive.name not in unknown:
