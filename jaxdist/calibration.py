@@ -161,7 +161,8 @@ def calibrate(devices=None, *, re_profile: bool = False, steps: int = 5,
   times = {name: [] for name, *_ in references}
   for r in range(rounds):
     for name, _, f, state, batch in references:
-      times[name].append(time_steps(f, state, batch, num_steps=steps, warmup=2 if r == 0 else 1)[2])
+      warmup = 2 if r == 0 else 1
+      times[name].append(time_steps(f, state, batch, num_steps=steps, warmup=warmup)[2])
   rows, names = [], []
   for name, est, *_ in references:
     seconds = float(np.median(times[name]))

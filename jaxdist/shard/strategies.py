@@ -187,13 +187,13 @@ def rule_for(eqn, cost_model: CostModel, produced: Callable,
   if name == "gather":
     return _gather(eqn, sizes)
   if name in ("scatter-add", "scatter_add"):
-    # Indices without a batch dim (x.at[:, 0].add(v)) leave only the passthrough splits.
-    # Its passthrough splits too (an embedding gradient split on the hidden dim like its
-    # table: no all-reduce, and no whole-table gradient on every device), but not in a
-    # micro-batch loop: a gradient split there over a non-batch axis and sliced after the
-    # loop over the batch axis as the major one (``accumulate``'s psum and dynamic slice)
-    # makes XLA all-gather it first, which the ILP does not charge (a GPT's k=4 plan on
-    # 2x4 compiled 2 all-gathers where it predicted 1, and 84 MB where it estimated 71).
+    # Also its passthrough splits (x.at[:, 0].add(v); an embedding gradient split on the
+    # hidden dim like its table: no all-reduce, and no whole-table gradient on every
+    # device), except for batched indices in a micro-batch loop: a gradient split there
+    # over a non-batch axis and sliced after the loop over the batch axis as the major
+    # one (``accumulate``'s psum and dynamic slice) makes XLA all-gather it first, which
+    # the ILP does not charge (a GPT's k=4 plan on 2x4 compiled 2 all-gathers where it
+    # predicted 1, and 84 MB where it estimated 71).
     through = (_scatter_passthrough(eqn, sizes)
                if len(_shape(eqn.invars[1])) <= 1 or not micro_batched else [])
     return _scatter_add(eqn, cost_model) + through
