@@ -24,7 +24,6 @@ Run: python bench/estimate.py
 
 import common  # noqa: F401  (device setup)
 
-import statistics  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -32,7 +31,7 @@ import optax  # noqa: E402
 
 import jaxdist as jd  # noqa: E402
 from jaxdist import models  # noqa: E402
-from jaxdist.measure import time_steps  # noqa: E402
+from jaxdist.measure import time_in_rounds  # noqa: E402
 
 ROUNDS = 3  # step times: the median of this many rounds' medians of 5 steps
 METHODS = (jd.DataParallel, jd.Zero2Parallel, jd.Zero3Parallel, jd.ShardParallel)
@@ -134,18 +133,14 @@ def time_table():
     for make in (*METHODS, pipeline):
       step, state, batch, _ = workload(1)
       est = jd.estimate(step, state, batch, method=make())
-      rows.append((name, est, jd.parallelize(step, method=make()), state, batch, []))
-  # Rounds over all rows (as jd.calibrate measures its references): each row's time is
-  # the median of its rounds' medians, so one slow spell does not decide a row.
-  for r in range(ROUNDS):
-    for *_, f, state, batch, times in rows:
-      times.append(time_steps(f, state, batch, num_steps=5, warmup=2 if r == 0 else 1)[2])
-  for name, est, *_, times in rows:
-    seconds = statistics.median(times)
+      rows.append((name, est, jd.parallelize(step, method=make()), state, batch))
+  # Rounds over all rows, as jd.calibrate measures its references.
+  times = time_in_rounds([(f, state, batch) for _, _, f, state, batch in rows], ROUNDS)
+  for (name, est, *_), seconds in zip(rows, times):
     ratio = est.step_time_s / seconds
     worst = max(worst, abs(ratio - 1))
     print(f"{name:<5} {est.method:<14} {est.step_time_s * 1e3:11.2f} {seconds * 1e3:11.2f} "
-          f"{ratio:6.2f}   rounds " + ", ".join(f"{t * 1e3:.1f}" for t in times))
+          f"{ratio:6.2f}")
   print(f"worst step-time error {worst:.0%} (goal 25%): {common.verdict(worst <= 0.25)}")
 
 

@@ -139,7 +139,7 @@ def calibrate(devices=None, *, re_profile: bool = False, steps: int = 5,
   from jaxdist import models
   from jaxdist.api import parallelize
   from jaxdist.estimate import communication_seconds, estimate
-  from jaxdist.measure import time_steps
+  from jaxdist.measure import time_in_rounds
   from jaxdist.mesh import LogicalMesh
 
   devices = list(devices or jax.devices())
@@ -155,17 +155,12 @@ def calibrate(devices=None, *, re_profile: bool = False, steps: int = 5,
     method = m.DataParallel(devices=devices)
     est = estimate(step, state, batch, method=method, calibrated=False)
     references.append((name, est, parallelize(step, method=method), state, batch))
-  # Rounds over all references, each reference's time the median of its rounds: one
-  # reference measured through a slow spell (seconds long on shared cores) would bend
-  # every coefficient of the fit.
-  times = {name: [] for name, *_ in references}
-  for r in range(rounds):
-    for name, _, f, state, batch in references:
-      warmup = 2 if r == 0 else 1
-      times[name].append(time_steps(f, state, batch, num_steps=steps, warmup=warmup)[2])
+  # Rounds over all references: one reference measured through a slow spell (seconds
+  # long on shared cores) would bend every coefficient of the fit.
+  times = time_in_rounds([(f, state, batch) for _, _, f, state, batch in references],
+                         rounds, steps)
   rows, names = [], []
-  for name, est, *_ in references:
-    seconds = float(np.median(times[name]))
+  for (name, est, *_), seconds in zip(references, times):
     communication = est.communication_s
     if alpha is not None:
       measured = LogicalMesh((n,), alpha=alpha, beta=beta, devices=tuple(devices))

@@ -470,7 +470,7 @@ def test_an_embedding_gradient_is_one_table_and_estimated(method):
 
   table = 20000 * 64 * 4
   est = jd.estimate(step, make(), batch, method=method(), compile=True)
-  if method is jd.Zero2Parallel:  # (ZeRO-3 gathers the table too, while the zeros live)
+  if est.method == "Zero2Parallel":  # (ZeRO-3 gathers the table too, while the zeros live)
     assert est.compiled["temp"] < 1.5 * table, est.compiled
   if est.method == "ShardParallel":
     assert est.compiled["temp"] < 0.25 * table, est.compiled
