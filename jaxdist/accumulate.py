@@ -166,7 +166,9 @@ def localize(full, micro, ids, eqn_constraints: dict, batch_axes: tuple[str, ...
   Except where jax special-cases a size-1 dimension (a broadcast more or less), the two
   line up; they are aligned by their primitive sequence, and an equation without a
   counterpart is left to XLA. Batch axes are dropped (they are manual inside the
-  ``shard_map``), and so is an axis that does not divide the share's dimension. With
+  ``shard_map``), and so is an axis that does not divide the share's dimension. A value
+  that lost its batch dimension on a one-row share (``take_along_axis``'s indices: jax
+  makes that dim a slice, not a batch dim) keeps the spec of its other dims. With
   ``operands`` the specs are per operand (None: unconstrained) instead of per output.
   """
   to_full = jaxpr_util.align(micro, full)
@@ -182,14 +184,33 @@ def localize(full, micro, ids, eqn_constraints: dict, batch_axes: tuple[str, ...
       if pspec is None:
         specs.append(None)
         continue
-      if len(pspec) > len(shape) or len(shape) != len(getattr(w.aval, "shape", ())):
+      dims = _local_dims(pspec, tuple(getattr(w.aval, "shape", ())), shape, batch_axes)
+      if dims is None:
         break  # not the same value (a size-1 batch traces differently): left to XLA
       local = [axes if shape[d] % math.prod(axis_sizes[a] for a in axes) == 0 else ()
-               for d, axes in enumerate(_without(pspec, len(shape), batch_axes))]
+               for d, axes in enumerate(dims)]
       specs.append(to_partition_spec(tuple(local)))
     else:
       out[i] = tuple(specs)
   return out
+
+
+def _local_dims(pspec: PartitionSpec, full: tuple[int, ...], local: tuple[int, ...],
+                batch_axes: tuple[str, ...]):
+  """``pspec`` (of a value shaped ``full``) less the batch axes, per dim of its
+  counterpart shaped ``local``: the same dims, or ``full``'s but one not split over other
+  axes (the batch dim, dropped on a one-row share); None if they do not correspond."""
+  if len(pspec) > len(full):
+    return None
+  dims = _without(pspec, len(full), batch_axes)
+  if len(local) == len(full):
+    return dims
+  if len(local) != len(full) - 1:
+    return None
+  for d in range(len(full)):
+    if full[d] > 1 and not dims[d] and full[:d] + full[d + 1:] == local:
+      return dims[:d] + dims[d + 1:]
+  return None
 
 
 def part_scales(step: TracedStep, split: GradSplit, parts: int) -> list[float | None]:

@@ -281,11 +281,15 @@ def estimate_planned(method: m.Method, planned, micro_step, calibrated: bool = T
     closed = micro_step()
     size, gathered, hoisted = _update_sizes(closed, layout), None, None
     if planned.shard_plan is not None:
-      size = _micro_sizes(planned)
+      # The micro-batch program's equations → the planned ones (aligning takes 0.1-0.4 s
+      # on a GPT: once).
+      aligned = jaxpr_util.align(planned.step.micro_jaxpr.jaxpr.eqns,
+                                 planned.shard_plan.step.closed_jaxpr.jaxpr.eqns)
+      size = _micro_sizes(planned, aligned)
       gathered = {i: size(v) for i, v in enumerate(closed.jaxpr.invars)
                   if planned.traced.inputs[i].role == PARAM
                   and _splits_over(layout.in_specs[i], layout.batch_axes)}
-      hoisted = _hoisted_copies(planned, gathered)
+      hoisted = _hoisted_copies(planned, gathered, aligned)
     work = _split_step(planned, closed, size, gathered, hoisted)
     if planned.shard_plan is not None:
       work = dataclasses.replace(work, flops=_planned_flops(planned.shard_plan.mesh_plan))
@@ -709,10 +713,11 @@ def _update_sizes(closed, layout):
   return lambda v: nbytes(v) / shards[v] if v in after else nbytes(v)
 
 
-def _micro_sizes(planned):
+def _micro_sizes(planned, aligned: dict):
   """Per-device bytes of the micro-batch program's values under a shard plan: each
   value's planned shards, less the batch axes (its micro-batch shape already has them).
-  Equations are matched to the planned ones by their primitive sequence."""
+  ``aligned``: the micro-batch program's equation indices → the planned step's (matched
+  by their primitive sequence, ``jaxpr_util.align``)."""
   result = planned.shard_plan
   graph, choice, lmesh = (result.mesh_plan.graph, result.mesh_plan.solution.choice,
                           result.mesh_plan.lmesh)
@@ -721,19 +726,20 @@ def _micro_sizes(planned):
   full = result.step.closed_jaxpr.jaxpr
   micro = planned.step.micro_jaxpr.jaxpr
   pairs = list(zip(full.invars, micro.invars))
-  for j, i in jaxpr_util.align(micro.eqns, full.eqns).items():
+  for j, i in aligned.items():
     pairs += zip(full.eqns[i].outvars, micro.eqns[j].outvars)
   shards = {mv: num_shards(graph.spec_of(fv, choice), sizes)
             for fv, mv in pairs if fv in graph.producer}
   return lambda v: nbytes(v) / shards.get(v, 1)
 
 
-def _hoisted_copies(planned, gathered: dict) -> list[tuple[int | None, float]]:
+def _hoisted_copies(planned, gathered: dict, aligned: dict) -> list[tuple[int | None, float]]:
   """The resharded copies XLA makes before the micro-batch loop under a shard plan
   (:func:`_resharded_copies`), per copy: its reader's index in the micro-batch program
   (None for a reader inside the loop, or one without a counterpart there: kept to the
   loop's end) and its bytes per device. The loop's readers of the ``gathered`` inputs
-  (by position) read those: they are not copies of their own."""
+  (by position) read those: they are not copies of their own. ``aligned``: as
+  :func:`_micro_sizes`."""
   from jaxdist.shard.micro import looped_eqns
   result = planned.shard_plan
   graph = result.mesh_plan.graph
@@ -751,11 +757,8 @@ def _hoisted_copies(planned, gathered: dict) -> list[tuple[int | None, float]]:
     if readers:
       copies.append((None if any(id(e) in looped for e in readers)
                      else max(index[id(e)] for e in readers), b))
-  if any(reader is not None for reader, _ in copies):  # (aligning takes 0.1-0.4 s on a GPT)
-    micro = planned.step.micro_jaxpr.jaxpr
-    in_micro = {i: j for j, i in jaxpr_util.align(micro.eqns, full.eqns).items()}
-    copies = [(None if i is None else in_micro.get(i), b) for i, b in copies]
-  return copies
+  in_micro = {i: j for j, i in aligned.items()}
+  return [(None if i is None else in_micro.get(i), b) for i, b in copies]
 
 
 def _resharded_copies(result, in_program) -> dict:

@@ -28,6 +28,7 @@ UNIT = dict(alpha=1.0, beta=1.0)
 H100 = dict(alpha=10e-6, beta=1 / 450e9)
 TWO_LEVEL = dict(alpha=(20e-6, 10e-6), beta=(1 / 25e9, 1 / 450e9))
 CONFIG = models.GPTConfig(vocab=256, width=64, heads=4, depth=2, seq_len=32)
+WIDE = models.GPTConfig(vocab=1024, width=256, heads=8, depth=1, seq_len=64)
 
 
 def _lm(model_cls, tx=None, value_and_grad=jax.value_and_grad, config=CONFIG, batch_size=16):
@@ -100,7 +101,17 @@ def test_predicted_collectives_match_the_compiled_module(workload, shape, costs)
     (lambda: _lm(models.MoELM, value_and_grad=jd.value_and_grad, batch_size=8,
                  config=models.GPTConfig(vocab=256, width=32, heads=4, depth=2, seq_len=16)),
      (8,), 2, H100),
-], ids=["mlp-2x4-k4", "gpt-2x4-k4", "gpt-2x4-k2-sgd", "moe-8-k2-h100"])
+    # One row per device in each micro-batch: jax traces take_along_axis's label lookup
+    # without a batch dim there; unconstrained, XLA gathered the logits instead of
+    # moving them by the planned all-to-all.
+    (lambda: _lm(models.GPT, value_and_grad=jd.value_and_grad, config=WIDE), (2, 4), 4, {}),
+    # The embedding's gradient is split like its table; held split over mesh_1 in the
+    # loop and over both axes after it, it would be all-gathered before its slice: the
+    # ILP prices that and keeps the batch-major split off gradients.
+    (lambda: _lm(models.GPT, value_and_grad=jd.value_and_grad, config=WIDE, batch_size=32),
+     (2, 4), 4, {}),
+], ids=["mlp-2x4-k4", "gpt-2x4-k4", "gpt-2x4-k2-sgd", "moe-8-k2-h100", "gpt-2x4-k4-one-row",
+        "gpt-2x4-k4-embedding"])
 def test_predictions_with_micro_batches(workload, shape, k, costs):
   """The gradient part runs k times in a loop, manual over the batch axes: its collectives
   over the other axes are counted k times (XLA counts a loop's body per trip); the
@@ -108,6 +119,24 @@ def test_predictions_with_micro_batches(workload, shape, k, costs):
   step, state, batch = workload()
   exe = jd.parallelize(step, method=jd.ShardParallel(
       devices=_mesh(shape, costs), num_micro_batches=k)).get_executable(state, batch)
+  _assert_predicted_as_compiled(exe)
+
+
+def test_a_parameter_split_over_the_batch_axis_enters_the_loop_as_predicted():
+  """The embedding split over both axes, the batch over mesh_0 only, 4 micro-batches: the
+  table enters the loop gathered over mesh_0, after a collective-permute (its block of
+  the loop's layout is another device's), and what the loop computes from parameters
+  alone is resharded once, before it (XLA hoists it), not per micro-batch."""
+  table = P(None, ("mesh_0", "mesh_1"))
+  option = jd.AutoShardingOption(partition_constraints={
+      "batch*": P("mesh_0"), "*Embed_0*embedding*": table})
+  step, state, batch = _lm(models.GPT, value_and_grad=jd.value_and_grad, batch_size=32,
+                           config=models.GPTConfig(vocab=1024, width=256, heads=8, depth=1,
+                                                   seq_len=64))
+  exe = jd.parallelize(step, method=jd.ShardParallel(
+      devices=_mesh((2, 4), {}), num_micro_batches=4,
+      auto_sharding_option=option)).get_executable(state, batch)
+  assert exe.communication()["collective-permute"].count == 1
   _assert_predicted_as_compiled(exe)
 
 

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec
 from jaxdist import cache_dir
 from jaxdist.shard.solver import Solution
 
-VERSION = 25
+VERSION = 26
 log = logging.getLogger("jaxdist.plan")
 
 

@@ -153,7 +153,7 @@ def predict(graph, choice, cost_model: CostModel,
             repeat=lambda node, kind, axes: 1,
             axes_of=lambda node, axes: axes,
             at_source=lambda node: False, batch_axes=None,
-            extra=()) -> dict[str, dict[str, float]]:
+            extra=(), held=lambda flow: None) -> dict[str, dict[str, float]]:
   """kind → {"count", "result_bytes"} per step of a solved plan, combined as XLA does.
 
   ``count`` is, per kind and mesh axes, the longest chain of collectives that depend on
@@ -163,7 +163,7 @@ def predict(graph, choice, cost_model: CostModel,
   gradient part of a step with micro-batches runs once per micro-batch, on a 1/k slice
   of the batch: k times as many ops, the same bytes). ``axes_of(node, axes)``: the mesh
   axes a node's collective really runs over (inside a ``shard_map``, not its manual ones).
-  ``at_source``, ``batch_axes``: as :meth:`StrategyGraph.collectives`.
+  ``at_source``, ``batch_axes``, ``held``: as :meth:`StrategyGraph.collectives`.
   ``extra``: ``(node, pos, (kind, axes, bytes))`` per collective that runs once on
   ``node``'s output ``pos`` (a gradient's reduction after a micro-batch loop): what reads
   the node's other outputs does not wait for it, and may combine with it.
@@ -171,7 +171,8 @@ def predict(graph, choice, cost_model: CostModel,
   combining = cost_model.combining
   sizes = cost_model.axis_sizes
   at_node = defaultdict(list)
-  for k, (kind, axes, nbytes) in graph.collectives(choice, cost_model, at_source, batch_axes):
+  for k, (kind, axes, nbytes) in graph.collectives(choice, cost_model, at_source, batch_axes,
+                                                      held):
     axes = axes_of(k, axes)
     if math.prod(sizes[a] for a in axes) > 1:
       at_node[k].append((kind, tuple(axes), nbytes))

@@ -22,7 +22,7 @@ from jaxdist import errors
 from jaxdist.shard import combine
 from jaxdist.jaxpr_util import MARKERS
 from jaxdist.shard.cost import DISALLOWED_S, CostModel
-from jaxdist.shard.micro import MicroBatchLoop
+from jaxdist.shard.micro import MicroBatchLoop, gather_after_loop
 from jaxdist.shard.specs import DimAxes, divides, num_shards, replicated
 from jaxdist.shard.strategies import (ELEMENTWISE, Follow, Strategy, input_strategies, nbytes,
                                       rule_for)
@@ -130,14 +130,17 @@ class StrategyGraph:
     return self
 
   def collectives(self, choice, cost_model: CostModel, at_source=lambda node: False,
-                  batch_axes=None) -> list[tuple[int, tuple[str, tuple, float]]]:
+                  batch_axes=None, held=lambda flow: None
+                  ) -> list[tuple[int, tuple[str, tuple, float]]]:
     """Every collective the plan ``choice`` has before XLA combines any, as (node, (kind,
     axes, per-device bytes per step)): a node's own, then the resharding into it (``node``
     is the consumer) or, for a tied output or a source where ``at_source(source)``, the
     node of the value moved. A value resharded to the same spec for several consumers
     counts once (XLA computes it once). Inside a micro-batch loop, a value without the
     batch dimension moves once per micro-batch (its bytes count ``k`` times), except a
-    partial sum over ``batch_axes`` only (None: every axis), reduced once after the loop."""
+    partial sum over ``batch_axes`` only (None: every axis), reduced once after the loop.
+    ``held(flow)``: the layout the flow's value is in where it is read, where that is not
+    the plan's (a parameter gathered over the batch axes on entering the loop), or None."""
     out = []
     for k, node in enumerate(self.nodes):
       if k in self.dead:
@@ -154,10 +157,12 @@ class StrategyGraph:
              for flow in self.flows if not flow.tied}
     for flow in self.flows:
       want = flow.required[choice[self.nodes[flow.dst].group]]
-      have = self.nodes[flow.src].strategies[choice[self.nodes[flow.src].group]].out_specs[flow.pos]
-      if want is None or (flow.src, flow.pos, want, flow.tied) in done or flow.dst in self.dead:
+      src = self.nodes[flow.src]
+      have = held(flow) or src.strategies[choice[src.group]].out_specs[flow.pos]
+      key = (flow.src, flow.pos, have, want, flow.tied)
+      if want is None or key in done or flow.dst in self.dead:
         continue
-      done.add((flow.src, flow.pos, want, flow.tied))
+      done.add(key)
       if not flow.tied and want != have and self._rearranged_from_moved(flow, want, choice, moved):
         continue
       where = flow.src if flow.tied or at_source(flow.src) else flow.dst
@@ -290,8 +295,7 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
     rule = rule_for(eqn, cost_model, lambda v: _has_producer(v, producer),
                     lambda v: group_sizes[nodes[producer[v][0]].group],
                     lambda v: v in expanded,
-                    lambda v: _pinned_state(nodes, producer, v, sizes, state_groups),
-                    micro_batched=loop is not None)
+                    lambda v: _pinned_state(nodes, producer, v, sizes, state_groups))
     _track_expanded(eqn, expanded)
     if rule is None or (isinstance(rule, list) and not rule):
       if eqn.primitive.name not in unknown:
@@ -406,7 +410,37 @@ def _price(graph: StrategyGraph, cost_model: CostModel, outvars, batch_axes):
   for flow in flows:
     _add_edge(group_costs, edge_costs, cost_model, members, nodes, flow, graph.repeats(flow),
               combine.TAIL if flow.tied else combine.before(phase, nodes, flow.dst), cache)
+  if loop is not None:
+    _add_gathers_after_loop(edge_costs, graph, cost_model)
   return group_costs, edge_costs, members.terms()
+
+
+def _add_gathers_after_loop(edge_costs, graph: StrategyGraph, cost_model: CostModel) -> None:
+  """Charges the all-gather XLA adds after a micro-batch loop to a gradient whose reduce
+  dim is split over the batch axes then another (``micro.gather_after_loop``): the batch
+  axes are the batch input's choice, so it is an edge from that input to the gradient."""
+  loop, nodes, sizes = graph.loop, graph.nodes, cost_model.axis_sizes
+  if loop.batch_input is None or loop.batch_input not in graph.producer:
+    return
+  batch = nodes[graph.producer[loop.batch_input][0]]
+  batch_axes = [s.out_specs[0][0] if s.out_specs[0] else () for s in batch.strategies]
+  for v in loop.reduced:
+    if v not in graph.producer:
+      continue
+    node, pos = graph.producer[v]
+    node = nodes[node]
+    if node.group == batch.group or graph.group_sizes[node.group] == 1:
+      continue  # (an unconstrained producer is not held split inside the loop)
+    matrix = np.zeros((len(batch.strategies), len(node.strategies)))
+    for a, axes in enumerate(batch_axes):
+      for b, s in enumerate(node.strategies):
+        gather = gather_after_loop(s.out_specs[pos], axes, nbytes(v), sizes)
+        if gather is not None:
+          matrix[a, b] = cost_model.all_gather(gather[1], cost_model.combining.collective_bytes(
+              gather[2], v.aval.dtype))
+    if matrix.any():
+      key = (batch.group, node.group)
+      edge_costs[key] = edge_costs[key] + matrix if key in edge_costs else matrix
 
 
 def _rule_out_undivided(costs, node: Node, loop: MicroBatchLoop, sizes) -> None:

@@ -16,7 +16,12 @@ that step's equations), so it prices what the loop changes:
 - a value with the batch dimension holds 1/k of its bytes at once (the memory budget);
 - a split the micro-batch's shapes do not divide cannot be kept inside the loop
   (``accumulate.localize`` drops it, and XLA partitions the equation another way), so
-  such strategies are ruled out.
+  such strategies are ruled out;
+- a gradient held split over a non-batch axis in the loop and split over the batch axes
+  then that axis on one dim after it (``('mesh_0', 'mesh_1')`` with the batch on
+  ``mesh_0``) is all-reduced and sliced by the batch index; the slice is not within the
+  device's block, so XLA all-gathers the dim over the other axis first
+  (:func:`gather_after_loop`).
 
 Known approximation: which mesh axes split the batch is itself a choice of the ILP. A
 partial gradient reduced over an axis that no allowed split of the batch uses is priced k
@@ -32,6 +37,8 @@ import math
 import jax.extend.core as jex
 
 from jaxdist import jaxpr_util
+from jaxdist.accumulate import per_example_outputs
+from jaxdist.shard.specs import num_shards
 from jaxdist.trace import BATCH
 
 
@@ -44,11 +51,17 @@ class MicroBatchLoop:
     micro_shapes: per value of the loop (a batch input or an output of a looped
       equation), its shape on one micro-batch (1/k of the batch); None where the
       micro-batch trace has no counterpart.
+    reduced: the values reduced over the batch axes after the loop (the gradient
+      marker's operands, but per-example outputs).
+    batch_input: the input whose dim 0's split is the batch axes (the largest batch
+      leaf), or None.
   """
 
   k: int
   looped: frozenset
   micro_shapes: dict
+  reduced: tuple = ()
+  batch_input: object = None
 
   def runs_in_loop(self, eqn) -> bool:
     return eqn is not None and id(eqn) in self.looped
@@ -85,6 +98,44 @@ class MicroBatchLoop:
     return (self.k, 1) if self.scaled(v) else (self.k, self.k)
 
 
+def reduce_dim(spec, batch_axes: tuple[str, ...]) -> int | None:
+  """The dim a gradient planned as ``spec`` is reduce-scattered on over ``batch_axes``
+  after the loop (the first split over them as its major axes), or None (all-reduced)."""
+  if not batch_axes:
+    return None
+  return next((d for d, axes in enumerate(spec) if axes[:len(batch_axes)] == batch_axes), None)
+
+
+def gather_after_loop(spec, batch_axes: tuple[str, ...], nbytes: float, sizes: dict):
+  """The all-gather XLA adds after the loop to a gradient planned as ``spec`` (``(kind,
+  axes, per-device result bytes)``), or None. Inside the loop the gradient is split over
+  its non-batch axes only; on its reduce dim the batch axes come first, so the slice by
+  the batch index takes rows other devices hold (measured: a GPT's embedding gradient,
+  ``(None, ('mesh_0', 'mesh_1'))`` with the batch on mesh_0, all-gathered whole over
+  mesh_1 before the slice)."""
+  d = reduce_dim(spec, batch_axes)
+  rest = () if d is None else spec[d][len(batch_axes):]
+  if not rest or math.prod(sizes[a] for a in rest) == 1:
+    return None
+  others = math.prod(sizes[a] for e, axes in enumerate(spec) if e != d for a in axes
+                     if a not in batch_axes)
+  return ("all-gather", rest, nbytes / others)
+
+
+def permute_on_entry(spec, batch_axes: tuple[str, ...], nbytes: float, sizes: dict):
+  """The collective-permute XLA adds where a parameter planned as ``spec`` enters the
+  loop's region, or None. The region holds it split over its non-batch axes only; where a
+  batch axis comes before another on one dim, the device's block of the region's layout
+  is not within its own, so XLA moves the blocks before it all-gathers over the batch
+  axes (measured: an embedding ``(None, ('mesh_0', 'mesh_1'))``, the batch on mesh_0)."""
+  for axes in spec:
+    big = [a for a in axes if sizes[a] > 1]
+    first_other = next((i for i, a in enumerate(big) if a not in batch_axes), len(big))
+    if any(a in batch_axes for a in big[:first_other]) and first_other < len(big):
+      return ("collective-permute", tuple(axes), nbytes / num_shards(spec, sizes))
+  return None
+
+
 def batch_varying(jaxpr, step, values) -> set:
   """The ``values`` of ``jaxpr`` (``step``'s) that a batch input reaches."""
   mask = sum(1 << i for i, leaf in enumerate(step.inputs) if leaf.role == BATCH)
@@ -113,7 +164,13 @@ def micro_batch_loop(jaxpr, step, micro_jaxpr, k: int) -> MicroBatchLoop:
   for v, leaf in zip(jaxpr.invars, step.inputs):
     if leaf.role == BATCH and leaf.shape:
       shapes[v] = (leaf.shape[0] // k,) + tuple(leaf.shape[1:])
-  return MicroBatchLoop(k, frozenset(id(jaxpr.eqns[j]) for j in looped), shapes)
+  marker = jaxpr.eqns[step.marker_index]
+  reduced = tuple(v for v, each in zip(marker.invars, per_example_outputs(step))
+                  if not each and not isinstance(v, jex.Literal))
+  batch = [(math.prod(leaf.shape), i) for i, leaf in enumerate(step.inputs)
+           if leaf.role == BATCH and leaf.shape]
+  return MicroBatchLoop(k, frozenset(id(jaxpr.eqns[j]) for j in looped), shapes, reduced,
+                        jaxpr.invars[max(batch)[1]] if batch else None)
 
 
 def looped_eqns(jaxpr, step) -> frozenset:

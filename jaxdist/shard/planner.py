@@ -39,7 +39,8 @@ from jaxdist.mesh import LogicalMesh
 from jaxdist.shard import cache, combine
 from jaxdist.shard.cost import CostModel, combining_for
 from jaxdist.shard.graph import REARRANGING, StrategyGraph, build_graph
-from jaxdist.shard.micro import MicroBatchLoop, batch_varying, micro_batch_loop
+from jaxdist.shard.micro import (MicroBatchLoop, batch_varying, gather_after_loop,
+                                 micro_batch_loop, permute_on_entry, reduce_dim)
 from jaxdist.shard.repeats import tie_groups
 from jaxdist.shard.rolled import roll
 from jaxdist.shard.solver import MemoryConstraint, Solution, solve_ilp
@@ -480,9 +481,10 @@ def _micro_batch_predictions(step: TracedStep, plan: MeshPlan, layout: Layout, k
     return tuple(a for a in axes if a in here)
 
   # A value that no batch input reaches (a parameter) is the same in every iteration:
-  # XLA hoists its resharding out of the loop, so it runs once.
+  # XLA hoists it, its collectives and its resharding out of the loop: they run once.
   varies = {graph.producer[v][0] for v in batch_varying(jaxpr, step, list(graph.producer))}
-  reduced = {}  # marked value → the kind and bytes of its reduction after the loop
+  axes = tuple(a for a in cost_model.axis_sizes if a in batch)
+  reduced = {}  # marked value → (kind, axes, bytes) of its collectives after the loop
   producer = {id(o): i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
   for j, (v, spec, each) in enumerate(zip(marker.invars, layout.grad_reduce_specs,
                                           per_example_outputs(step))):
@@ -495,11 +497,16 @@ def _micro_batch_predictions(step: TracedStep, plan: MeshPlan, layout: Layout, k
     split_inside = producer.get(id(v)) in layout.eqn_constraints and any(local)
     nbytes_ = cost_model.combining.collective_bytes(nbytes_, v.aval.dtype)
     if spec is None or split_inside:
-      reduced[j] = ("all-reduce", nbytes_)
+      reduced[j] = [("all-reduce", axes, nbytes_)]
     else:
-      reduced[j] = ("reduce-scatter", nbytes_ / shards)
-  # A parameter split over a batch axis enters the region gathered over it, once.
-  gathers = []
+      reduced[j] = [("reduce-scatter", axes, nbytes_ / shards)]
+    gather = gather_after_loop(graph.spec_of(v, choice), layout.batch_axes, nbytes(v), sizes)
+    if split_inside and gather is not None:
+      kind, over, b = gather
+      reduced[j].append((kind, over, cost_model.combining.collective_bytes(b, v.aval.dtype)))
+  # A parameter split over a batch axis enters the region gathered over it, once; the
+  # loop reads it in that layout.
+  gathers, permutes, entered = [], [], {}
   read = {v for e in jaxpr.eqns if id(e) in looped for v in e.invars
           if not isinstance(v, jex.Literal)}
   for v, spec in zip(jaxpr.invars, plan.input_specs):
@@ -508,24 +515,32 @@ def _micro_batch_predictions(step: TracedStep, plan: MeshPlan, layout: Layout, k
       local = tuple(tuple(a for a in axes if a not in batch) for axes in spec)
       gathered = cost_model.combining.collective_bytes(nbytes(v), v.aval.dtype)
       gathers.append(gathered / num_shards(local, sizes))
+      entered[graph.producer[v][0]] = local
+      permute = permute_on_entry(spec, layout.batch_axes, gathered, sizes)
+      permutes += [permute[2]] if permute is not None else []
+  held = lambda flow: entered.get(flow.src) if inside(flow.dst) else None
   # Each marked value is reduced after the loop, where its producer put it: what reads
   # none of them (a metric of the per-example aux) does not wait, and combines with them.
-  axes = tuple(a for a in cost_model.axis_sizes if a in batch)
-  late = [(*graph.producer[marker.invars[j]], (kind, axes, b)) for j, (kind, b) in reduced.items()]
+  late = [(*graph.producer[marker.invars[j]], op) for j, ops in reduced.items() for op in ops]
   predicted = combine.predict(
-      graph, choice, cost_model, repeat=lambda node, kind, axes: k if inside(node) else 1,
+      graph, choice, cost_model,
+      repeat=lambda node, kind, axes: k if inside(node) and node in varies else 1,
       axes_of=axes_of, at_source=lambda node: node not in varies, batch_axes=layout.batch_axes,
-      extra=late)
+      extra=late, held=held)
+
+  def add(kind, count, result_bytes):
+    entry = predicted.setdefault(kind, {"count": 0, "result_bytes": 0.0})
+    entry["count"] += count
+    entry["result_bytes"] += result_bytes
+
   if gathers:
-    entry = predicted.setdefault("all-gather", {"count": 0, "result_bytes": 0.0})
-    entry["count"] += cost_model.combining.count("all-gather", gathers)
-    entry["result_bytes"] += sum(gathers)
+    add("all-gather", cost_model.combining.count("all-gather", gathers), sum(gathers))
+  if permutes:
+    add("collective-permute", len(permutes), sum(permutes))
   if shards > 1 and token_weighted(step):
     # The micro-batches' token counts are summed first (the gradients are divided by it
     # before their reduction, so it is an op of its own).
-    entry = predicted.setdefault("all-reduce", {"count": 0, "result_bytes": 0.0})
-    entry["count"] += 1
-    entry["result_bytes"] += 4.0
+    add("all-reduce", 1, 4.0)
   return predicted
 
 
@@ -1053,9 +1068,7 @@ def _batch_axes(step: TracedStep, input_specs: tuple[DimAxes, ...]) -> tuple[str
 
 def _reduce_spec(spec: DimAxes, batch_axes: tuple[str, ...]) -> PartitionSpec | None:
   """The reduce-scatter result spec for a gradient planned as ``spec``, or None (psum)."""
-  if not batch_axes:
+  d = reduce_dim(spec, batch_axes)
+  if d is None:
     return None
-  for d, axes in enumerate(spec):
-    if axes[:len(batch_axes)] == batch_axes:
-      return PartitionSpec(*([None] * d), batch_axes if len(batch_axes) > 1 else batch_axes[0])
-  return None
+  return PartitionSpec(*([None] * d), batch_axes if len(batch_axes) > 1 else batch_axes[0])

@@ -129,8 +129,7 @@ def _replicated_strategy(eqn, name: str, cost: float = 0.0) -> Strategy:
 def rule_for(eqn, cost_model: CostModel, produced: Callable,
              freedom: Callable = lambda v: 0,
              expanded: Callable = lambda v: False,
-             pinned: Callable = lambda v: False,
-             micro_batched: bool = False) -> Follow | list[Strategy] | None:
+             pinned: Callable = lambda v: False) -> Follow | list[Strategy] | None:
   """The rule for ``eqn``; None means: no rule (replicate and warn).
 
   ``produced(var)`` tells whether an operand comes from another node (not a literal):
@@ -139,8 +138,7 @@ def rule_for(eqn, cost_model: CostModel, produced: Callable,
   broadcast up (``expanded(var)``: BatchNorm's statistics, a softmax's row max) is
   followed, then one whose only choice splits it (``pinned(var)``: ZeRO's sharded
   optimizer state), then the freest (a causal mask built from an iota must not decide
-  the layout of the attention scores). ``micro_batched``: the step runs its gradient part
-  in a micro-batch loop.
+  the layout of the attention scores).
   """
   name = eqn.primitive.name
   sizes = cost_model.axis_sizes
@@ -189,13 +187,9 @@ def rule_for(eqn, cost_model: CostModel, produced: Callable,
   if name in ("scatter-add", "scatter_add"):
     # Also its passthrough splits (x.at[:, 0].add(v); an embedding gradient split on the
     # hidden dim like its table: no all-reduce, and no whole-table gradient on every
-    # device), except for batched indices in a micro-batch loop: a gradient split there
-    # over a non-batch axis and sliced after the loop over the batch axis as the major
-    # one (``accumulate``'s psum and dynamic slice) makes XLA all-gather it first, which
-    # the ILP does not charge (a GPT's k=4 plan on 2x4 compiled 2 all-gathers where it
-    # predicted 1, and 84 MB where it estimated 71).
-    through = (_scatter_passthrough(eqn, sizes)
-               if len(_shape(eqn.invars[1])) <= 1 or not micro_batched else [])
+    # device). In a micro-batch loop, one split after it over the batch axis and then
+    # another is gathered before its slice: ``micro.gather_after_loop`` prices that.
+    through = _scatter_passthrough(eqn, sizes)
     return _scatter_add(eqn, cost_model) + through
   if name in SCATTERS:
     return Follow(0, _scatter_mapper(eqn))
