@@ -51,6 +51,22 @@ def test_trials_are_classified_against_the_budget():
   assert trial.compile_s is None and trial.estimated_memory_bytes == pytest.approx(dp, rel=0.02)
 
 
+def test_the_guide_skips_a_candidate_estimated_much_slower_than_the_fastest(monkeypatch):
+  """Links with a 1 ms latency: ZeRO's 17 collectives a step are estimated about 4x
+  DataParallel's one all-reduce; the walk does not compile them. Given as candidates, they
+  run (a user's list is measured whole)."""
+  step, state, data = _workload()
+  slow = jd.LogicalMesh((8,), alpha=1e-3, beta=1e-9)
+  methods = [jd.DataParallel(devices=slow), jd.Zero2Parallel(devices=slow)]
+  monkeypatch.setattr(walk, "_guide", lambda w, devices: [(walk._name(c), c) for c in methods])
+  dp, z2 = jd.tune(step, state, data, steps=1, progress=False).trials
+  assert dp.status == "ok" and z2.status == "skipped" and z2.compile_s is None
+  ratio = z2.estimated_step_time_s / dp.estimated_step_time_s
+  assert ratio > walk.SLOWER_SKIP and f"{ratio:.1f}x the estimate for DataParallel" in z2.reason
+  dp, z2 = jd.tune(step, state, data, steps=1, progress=False, candidates=methods).trials
+  assert dp.status == z2.status == "ok"
+
+
 def test_runtime_out_of_memory_and_compile_errors_are_classified(monkeypatch):
   step, state, data = _workload()
 

@@ -11,7 +11,10 @@ match the step's parameters (Megatron-style attention, expert parallelism) are t
 each 2-D mesh. Each candidate is
 estimated first (``jaxdist.estimate``; pipelines only under a budget) and skipped without
 compiling when the estimate exceeds the budget by more than :data:`SKIP_MARGIN` (the
-estimator's error is smaller; an estimate marked ``approximate`` never skips);
+estimator's error is smaller; an estimate marked ``approximate`` never skips), or, in the
+guide's walk, when its estimated step time is over :data:`SLOWER_SKIP` times the estimate
+of the fastest trial measured so far (estimates against estimates: what the estimator
+gets wrong about the devices, both share; its step times are within 25% of measured);
 then compiled, held to the budget by XLA's own figure, run ``steps`` times and timed.
 Failures are classified, never raised: over the budget or out of memory at run time →
 ``oom``; a compile or run failure → ``error``; a candidate that does not apply (a batch
@@ -43,6 +46,7 @@ from jaxdist.tune.presets import load_presets
 from jaxdist.tune.report import Trial, TuneReport
 
 SKIP_MARGIN = 0.25
+SLOWER_SKIP = 2.0
 # Seconds the sharding ILP may take per mesh shape in a walk (a budget makes it a hard
 # MIP: a GPT's 2x4 solve took 74 s to prove optimal); the best plan found is used.
 SOLVER_TIME_LIMIT_S = 10.0
@@ -106,7 +110,8 @@ def tune(step, *args, memory_budget_per_device: float | None = None, steps: int 
       raise errors.InvalidArgumentError(
           f"tune(candidates=[..., {method!r}, ...]): every candidate must be a jaxdist method "
           f"object such as jaxdist.DataParallel().")
-  walk = _Walk(fun, args, argnums, memory_budget_per_device, steps, progress)
+  walk = _Walk(fun, args, argnums, memory_budget_per_device, steps, progress,
+               skip_slower=candidates is None)
   start = time.perf_counter()
   given = None if candidates is None else [_with_devices(c, devices) for c in candidates]
   total = len(given) if given is not None else _guide_size(devices)
@@ -225,9 +230,10 @@ def _name(method) -> str:
 class _Walk:
   """Runs trials one at a time and keeps them."""
 
-  def __init__(self, fun, args, argnums, budget, steps, show):
+  def __init__(self, fun, args, argnums, budget, steps, show, skip_slower=False):
     self.fun, self.args, self.argnums = fun, args, argnums
     self.budget, self.steps, self.show = budget, steps, show
+    self.skip_slower = skip_slower
     self.trials: list[Trial] = []
     self.origin: dict[str, object] = {}  # trial name → the method as generated
     self._traced = None
@@ -321,6 +327,9 @@ class _Walk:
             f"by more than {SKIP_MARGIN:.0%}"), estimated_memory_bytes=est_bytes,
             estimated_step_time_s=est_time)
     common = dict(estimated_memory_bytes=est_bytes, estimated_step_time_s=est_time)
+    slower = self._much_slower(est_time)
+    if slower:
+      return Trial(name, method, "skipped", reason=slower, **common)
     start = time.perf_counter()
     try:
       exe = func.get_executable(*self.args)
@@ -347,6 +356,24 @@ class _Walk:
       status = "oom" if _out_of_memory(e) else "error"
       return Trial(name, method, status, reason=_first_line(e), **common)
     return Trial(name, method, "ok", step_time_s=seconds, **common)
+
+
+  def _much_slower(self, est_time: float | None) -> str | None:
+    """Why a candidate estimated at ``est_time`` seconds per step is not worth compiling
+    (over :data:`SLOWER_SKIP` times the estimate of the fastest trial so far), or None."""
+    if not self.skip_slower or est_time is None:
+      return None
+    measured = [t for t in self.trials if t.status == "ok" and t.estimated_step_time_s]
+    if not measured:
+      return None
+    fastest = min(measured, key=lambda t: t.step_time_s)
+    # (A calibration profile is per host: the decision must be process 0's.)
+    ratio = agree.process_zeros(est_time / fastest.estimated_step_time_s)
+    if ratio <= SLOWER_SKIP:
+      return None
+    return (f"estimated {est_time * 1e3:.3g} ms per step, {ratio:.1f}x the estimate for "
+            f"{fastest.name} ({fastest.estimated_step_time_s * 1e3:.3g} ms; the fastest so far, "
+            f"measured {fastest.step_time_s * 1e3:.3g} ms): over {SLOWER_SKIP:g}x, not compiled")
 
 
 def _time(func, args, steps: int) -> float:
