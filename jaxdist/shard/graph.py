@@ -22,7 +22,7 @@ from jaxdist import errors
 from jaxdist.shard import combine
 from jaxdist.jaxpr_util import MARKERS
 from jaxdist.shard.cost import DISALLOWED_S, CostModel
-from jaxdist.shard.micro import MicroBatchLoop, gather_after_loop
+from jaxdist.shard.micro import MicroBatchLoop, entry_spec, gather_after_loop
 from jaxdist.shard.specs import DimAxes, divides, num_shards, replicated
 from jaxdist.shard.strategies import (ELEMENTWISE, Follow, Strategy, input_strategies, nbytes,
                                       rule_for)
@@ -410,37 +410,51 @@ def _price(graph: StrategyGraph, cost_model: CostModel, outvars, batch_axes):
   for flow in flows:
     _add_edge(group_costs, edge_costs, cost_model, members, nodes, flow, graph.repeats(flow),
               combine.TAIL if flow.tied else combine.before(phase, nodes, flow.dst), cache)
-  if loop is not None:
-    _add_gathers_after_loop(edge_costs, graph, cost_model)
+  if loop is not None and loop.batch_inputs and loop.batch_inputs[0] in graph.producer:
+    _add_loop_entry_and_exit(group_costs, edge_costs, graph, cost_model)
   return group_costs, edge_costs, members.terms()
 
 
-def _add_gathers_after_loop(edge_costs, graph: StrategyGraph, cost_model: CostModel) -> None:
-  """Charges the all-gather XLA adds after a micro-batch loop to a gradient whose reduce
-  dim is split over the batch axes then another (``micro.gather_after_loop``): the batch
-  axes are the batch input's choice, so it is an edge from that input to the gradient."""
+def _add_loop_entry_and_exit(group_costs, edge_costs, graph: StrategyGraph,
+                             cost_model: CostModel) -> None:
+  """Charges what XLA moves where the micro-batch loop's region starts and ends, which
+  depends on the batch axes (the largest batch leaf's dim 0 split, a choice of the ILP):
+  every batch leaf enters it split on dim 0 over them and on nothing else (a leaf planned
+  otherwise is resharded: its own cost for the largest leaf, an edge from it for the
+  others), and a gradient split after it over them and then another axis on one dim is
+  all-gathered first (``micro.gather_after_loop``: an edge from the largest leaf)."""
   loop, nodes, sizes = graph.loop, graph.nodes, cost_model.axis_sizes
-  if loop.batch_input is None or loop.batch_input not in graph.producer:
-    return
-  batch = nodes[graph.producer[loop.batch_input][0]]
-  batch_axes = [s.out_specs[0][0] if s.out_specs[0] else () for s in batch.strategies]
+  first = nodes[graph.producer[loop.batch_inputs[0]][0]]
+  batch_axes = [s.out_specs[0][0] if s.out_specs[0] else () for s in first.strategies]
+  seconds = lambda moves: sum(cost_model.collective(*c) + (
+      cost_model.latency(c[1]) if c[0] in cost_model.combining.kinds else 0.0) for c in moves)
+
+  def add(node, cost):  # cost(batch axes, strategy) → seconds
+    matrix = np.array([[cost(axes, s) for s in node.strategies] for axes in batch_axes])
+    if not matrix.any():
+      return
+    if node.group == first.group:
+      group_costs[node.group] += np.diag(matrix)
+      return
+    key = (first.group, node.group)
+    edge_costs[key] = edge_costs[key] + matrix if key in edge_costs else matrix
+
+  for v in loop.batch_inputs:
+    if v in graph.producer:
+      add(nodes[graph.producer[v][0]], lambda axes, s, v=v: seconds(cost_model.reshard_collectives(
+          s.out_specs[0], entry_spec(len(v.aval.shape), axes), nbytes(v))))
   for v in loop.reduced:
     if v not in graph.producer:
       continue
     node, pos = graph.producer[v]
-    node = nodes[node]
-    if node.group == batch.group or graph.group_sizes[node.group] == 1:
+    if graph.group_sizes[nodes[node].group] == 1:
       continue  # (an unconstrained producer is not held split inside the loop)
-    matrix = np.zeros((len(batch.strategies), len(node.strategies)))
-    for a, axes in enumerate(batch_axes):
-      for b, s in enumerate(node.strategies):
-        gather = gather_after_loop(s.out_specs[pos], axes, nbytes(v), sizes)
-        if gather is not None:
-          matrix[a, b] = cost_model.all_gather(gather[1], cost_model.combining.collective_bytes(
-              gather[2], v.aval.dtype))
-    if matrix.any():
-      key = (batch.group, node.group)
-      edge_costs[key] = edge_costs[key] + matrix if key in edge_costs else matrix
+
+    def gather(axes, s, v=v, pos=pos):
+      found = gather_after_loop(s.out_specs[pos], axes, nbytes(v), sizes)
+      return 0.0 if found is None else cost_model.all_gather(
+          found[1], cost_model.combining.collective_bytes(found[2], v.aval.dtype))
+    add(nodes[node], gather)
 
 
 def _rule_out_undivided(costs, node: Node, loop: MicroBatchLoop, sizes) -> None:

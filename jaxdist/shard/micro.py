@@ -53,15 +53,15 @@ class MicroBatchLoop:
       micro-batch trace has no counterpart.
     reduced: the values reduced over the batch axes after the loop (the gradient
       marker's operands, but per-example outputs).
-    batch_input: the input whose dim 0's split is the batch axes (the largest batch
-      leaf), or None.
+    batch_inputs: the batch inputs (``jaxpr`` invars); the first one's dim 0 split is
+      the batch axes (the largest batch leaf, as ``planner.layout_of`` takes it).
   """
 
   k: int
   looped: frozenset
   micro_shapes: dict
   reduced: tuple = ()
-  batch_input: object = None
+  batch_inputs: tuple = ()
 
   def runs_in_loop(self, eqn) -> bool:
     return eqn is not None and id(eqn) in self.looped
@@ -122,6 +122,12 @@ def gather_after_loop(spec, batch_axes: tuple[str, ...], nbytes: float, sizes: d
   return ("all-gather", rest, nbytes / others)
 
 
+def entry_spec(rank: int, batch_axes: tuple[str, ...]):
+  """The layout every batch leaf enters the loop's region in (``accumulate``'s
+  ``shard_map``): dim 0 split over the batch axes, nothing else."""
+  return (tuple(batch_axes),) + ((),) * (rank - 1)
+
+
 def permute_on_entry(spec, batch_axes: tuple[str, ...], nbytes: float, sizes: dict):
   """The collective-permute XLA adds where a parameter planned as ``spec`` enters the
   loop's region, or None. The region holds it split over its non-batch axes only; where a
@@ -167,10 +173,10 @@ def micro_batch_loop(jaxpr, step, micro_jaxpr, k: int) -> MicroBatchLoop:
   marker = jaxpr.eqns[step.marker_index]
   reduced = tuple(v for v, each in zip(marker.invars, per_example_outputs(step))
                   if not each and not isinstance(v, jex.Literal))
-  batch = [(math.prod(leaf.shape), i) for i, leaf in enumerate(step.inputs)
-           if leaf.role == BATCH and leaf.shape]
+  batch = sorted(((math.prod(leaf.shape), i) for i, leaf in enumerate(step.inputs)
+                  if leaf.role == BATCH and leaf.shape), reverse=True)
   return MicroBatchLoop(k, frozenset(id(jaxpr.eqns[j]) for j in looped), shapes, reduced,
-                        jaxpr.invars[max(batch)[1]] if batch else None)
+                        tuple(jaxpr.invars[i] for _, i in batch))
 
 
 def looped_eqns(jaxpr, step) -> frozenset:

@@ -39,7 +39,7 @@ from jaxdist.mesh import LogicalMesh
 from jaxdist.shard import cache, combine
 from jaxdist.shard.cost import CostModel, combining_for
 from jaxdist.shard.graph import REARRANGING, StrategyGraph, build_graph
-from jaxdist.shard.micro import (MicroBatchLoop, batch_varying, gather_after_loop,
+from jaxdist.shard.micro import (MicroBatchLoop, batch_varying, entry_spec, gather_after_loop,
                                  micro_batch_loop, permute_on_entry, reduce_dim)
 from jaxdist.shard.repeats import tie_groups
 from jaxdist.shard.rolled import roll
@@ -518,6 +518,15 @@ def _micro_batch_predictions(step: TracedStep, plan: MeshPlan, layout: Layout, k
       entered[graph.producer[v][0]] = local
       permute = permute_on_entry(spec, layout.batch_axes, gathered, sizes)
       permutes += [permute[2]] if permute is not None else []
+  # Every batch leaf enters the region split on dim 0 over the batch axes, and on
+  # nothing else: a leaf planned otherwise is resharded there, once.
+  entry_moves = []
+  for v, spec, leaf in zip(jaxpr.invars, plan.input_specs, step.inputs):
+    if leaf.role == BATCH and leaf.shape and v in graph.producer and shards > 1:
+      entry = entry_spec(len(leaf.shape), layout.batch_axes)
+      entry_moves += [(kind, cost_model.combining.collective_bytes(b, v.aval.dtype))
+                      for kind, _, b in cost_model.reshard_collectives(spec, entry, nbytes(v))]
+      entered[graph.producer[v][0]] = ((),) * len(leaf.shape)
   held = lambda flow: entered.get(flow.src) if inside(flow.dst) else None
   # Each marked value is reduced after the loop, where its producer put it: what reads
   # none of them (a metric of the per-example aux) does not wait, and combines with them.
@@ -537,6 +546,8 @@ def _micro_batch_predictions(step: TracedStep, plan: MeshPlan, layout: Layout, k
     add("all-gather", cost_model.combining.count("all-gather", gathers), sum(gathers))
   if permutes:
     add("collective-permute", len(permutes), sum(permutes))
+  for kind, b in entry_moves:
+    add(kind, 1, b)
   if shards > 1 and token_weighted(step):
     # The micro-batches' token counts are summed first (the gradients are divided by it
     # before their reduction, so it is an op of its own).
