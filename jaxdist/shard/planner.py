@@ -270,8 +270,9 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
   layout = layout_of(step, best, k)
   if k > 1:
     predicted = _micro_batch_predictions(step, best, layout, k)
-    notes.append(f"num_micro_batches={k}: the gradient part's collectives run {k} times (on "
-                 f"1/{k} of the batch each); gradients are reduced once, after the loop")
+    notes.append(f"num_micro_batches={k}: the gradient part runs {k} times (on 1/{k} of the "
+                 f"batch each), split over the batch axes {layout.batch_axes}; gradients are "
+                 f"reduced over them once, after the loop")
     coupled = batch_coupling(step)
     if coupled:
       notes.append(f"the step mixes examples beyond the loss's mean ({coupled}); with "
