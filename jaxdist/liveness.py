@@ -96,7 +96,7 @@ class Timeline:
   """
 
   def __init__(self, jaxpr, size: Callable[[object], float] = nbytes, platform: str | None = None,
-               late_inputs: frozenset = frozenset()):
+               late_inputs: frozenset = frozenset(), unrolled: bool = False):
     base = size
     if platform == "cpu":
       size = _widened(size)
@@ -131,6 +131,7 @@ class Timeline:
         for o, v in zip(outs, ins):
           self._owner[o] = v
     outputs = {self.buffer_of(v) for v in jaxpr.outvars if not isinstance(v, jex.Literal)}
+    unstacked = self._slices_of_stacks(bitcast, outputs) if unrolled else set()
     # A fused result is recomputed inside each reader's fusion: its operands stay live
     # until its last reader (walked backwards, so chains of fused values carry through).
     static = _static(self.eqns, jaxpr.constvars)
@@ -172,7 +173,7 @@ class Timeline:
       elif eqn.primitive.name in THREEFRY and platform == "cpu":
         self.extra[i] = THREEFRY_STATE * sum(4 * base(o) / max(o.aval.dtype.itemsize, 1)
                                              for o in outs[:1])
-      if bitcast[i] or fused[i]:
+      if bitcast[i] or fused[i] or i in unstacked:
         continue
       for o in outs:
         if o in self._owner or o in elided:  # updated in place, or never written
@@ -182,6 +183,32 @@ class Timeline:
         self.buffers[o] = [i, max(end.get(o, i), i), size(o)]
     if platform == "cpu":
       self._make_input_only_values_early(static, inputs - set(late_inputs))
+
+  def _slices_of_stacks(self, bitcast, outputs) -> set:
+    """A concatenation that every reader slices one operand back out of (an unrolled
+    scan's stacked residuals, each read by its iteration of the backward) is never made
+    in a program compiled unrolled: XLA's simplifier reads the operands instead, each
+    alive to its own reader. Marks those slices as sharing their operand's buffer and
+    returns the concatenations' indices. Measured on a 4-block ``nn.scan`` LM under
+    ShardParallel with 2 micro-batches: counted whole, the stacks made the estimate 1.18x
+    of XLA's bytes. (A scan compiled as a loop does write its stacks.)"""
+    readers: dict = {}
+    for i, (_, ins, _) in enumerate(self.eqns):
+      for v in set(ins):
+        readers.setdefault(v, []).append(i)
+    dropped = set()
+    for j, (eqn, parts, outs) in enumerate(self.eqns):
+      if eqn.primitive.name != "concatenate" or self.buffer_of(outs[0]) in outputs:
+        continue
+      picked = [(i, _picked_operand(self.eqns[i][0], eqn.params["dimension"], parts))
+                for i in readers.get(outs[0], ())]
+      if not picked or any(operand is None for _, operand in picked):
+        continue
+      for i, operand in picked:
+        bitcast[i] = True
+        self._owner[self.eqns[i][2][0]] = operand
+      dropped.add(j)
+    return dropped
 
   def _make_input_only_values_early(self, static, early_inputs) -> None:
     """XLA:CPU schedules what depends on constants and inputs alone first:
@@ -321,6 +348,22 @@ class Timeline:
     live = sorted(((label, b) for label, (s, e, b) in self.buffers.items() if s <= at <= e),
                   key=lambda x: -x[1])
     return Peak(best, at, tuple(live))
+
+
+def _picked_operand(eqn, dim: int, parts):
+  """The operand among ``parts`` (concatenated along ``dim``) that the slice ``eqn``
+  takes back whole, or None."""
+  if eqn.primitive.name != "slice" or any(st != 1 for st in eqn.params.get("strides") or ()):
+    return None
+  offset = 0
+  for part in parts:
+    shape = part.aval.shape
+    if (eqn.params["start_indices"] == tuple(offset if k == dim else 0 for k in range(len(shape)))
+        and eqn.params["limit_indices"] == tuple(offset + n if k == dim else n
+                                                 for k, n in enumerate(shape))):
+      return part
+    offset += shape[dim]
+  return None
 
 
 def _widened(size: Callable[[object], float]) -> Callable[[object], float]:
