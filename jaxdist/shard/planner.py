@@ -612,8 +612,11 @@ def _input_choices(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOpti
               f"{num_micro_batches * lmesh.num_devices}.")
         # Micro-batches run in a shard_map over the mesh axes splitting dim 0, with
         # gradients reduced once after the loop; an unsplit batch would leave the
-        # reductions to XLA inside the loop, once per micro-batch.
-        specs = [s for s in fitting if s[0]] or fitting
+        # reductions to XLA inside the loop, once per micro-batch. The leaf enters it
+        # split on dim 0 alone (``micro.entry_spec``): a split of another dim would be
+        # gathered there, so none is offered (fewer choices keep the ILP small).
+        specs = ([s for s in fitting if s[0] and not any(s[1:])]
+                 or [s for s in fitting if s[0]] or fitting)
     elif leaf.role in (PARAM, OPTIMIZER):
       if opt.force_data_parallel:
         specs = [s for s in specs if not any(s)]
