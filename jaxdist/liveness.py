@@ -87,6 +87,8 @@ class Timeline:
   """The buffers of one jaxpr on a line of program positions (one per equation, with
   calls flattened), each alive over ``[start, end]``; callers may add buffers (a
   collective's result, an accumulator) and move ends before taking the ``peak``.
+  ``unrolled``: the jaxpr's scans are unrolled in the compiled program too (their stacks
+  read back slice by slice are never made: :meth:`_slices_of_stacks`).
 
   Attributes:
     eqns: (equation, operands, results) per position.
