@@ -419,10 +419,11 @@ def _add_loop_entry_and_exit(group_costs, edge_costs, graph: StrategyGraph,
                              cost_model: CostModel) -> None:
   """Charges what XLA moves where the micro-batch loop's region starts and ends, which
   depends on the batch axes (the largest batch leaf's dim 0 split, a choice of the ILP):
-  every batch leaf enters it split on dim 0 over them (a leaf planned otherwise is
-  resharded: an edge from the largest leaf), and a gradient split after it over them and
-  then another axis on one dim is all-gathered first (``micro.gather_after_loop``)."""
-  loop, nodes = graph.loop, graph.nodes
+  every batch leaf enters it split on dim 0 over them and on nothing else (a leaf planned
+  otherwise is resharded: its own cost for the largest leaf, an edge from it for the
+  others), and a gradient split after it over them and then another axis on one dim is
+  all-gathered first (``micro.gather_after_loop``: an edge from the largest leaf)."""
+  loop, nodes, sizes = graph.loop, graph.nodes, cost_model.axis_sizes
   first = nodes[graph.producer[loop.batch_inputs[0]][0]]
   batch_axes = [s.out_specs[0][0] if s.out_specs[0] else () for s in first.strategies]
   seconds = lambda moves: sum(cost_model.collective(*c) + (
@@ -442,26 +443,18 @@ def _add_loop_entry_and_exit(group_costs, edge_costs, graph: StrategyGraph,
     if v in graph.producer:
       add(nodes[graph.producer[v][0]], lambda axes, s, v=v: seconds(cost_model.reshard_collectives(
           s.out_specs[0], entry_spec(len(v.aval.shape), axes), nbytes(v))))
-  # The gradients' gathers after the loop, as their own costs, at the worst single axis
-  # that may split the batch: an edge from the batch leaf to every gradient kept the
-  # solver from folding groups (a 4-layer MLP's 2x4 solve took 4.6 s instead of 0.5).
-  possible = tuple(sorted({a for axes in batch_axes for a in axes}))
   for v in loop.reduced:
     if v not in graph.producer:
       continue
     node, pos = graph.producer[v]
-    node = nodes[node]
-    if graph.group_sizes[node.group] == 1:
+    if graph.group_sizes[nodes[node].group] == 1:
       continue  # (an unconstrained producer is not held split inside the loop)
-    group_costs[node.group] += node.weight * np.array([max(
-        (_gather_seconds(s.out_specs[pos], (a,), v, cost_model) for a in possible),
-        default=0.0) for s in node.strategies])
 
-
-def _gather_seconds(spec, batch_axes, v, cost_model: CostModel) -> float:
-  found = gather_after_loop(spec, batch_axes, nbytes(v), cost_model.axis_sizes)
-  return 0.0 if found is None else cost_model.all_gather(
-      found[1], cost_model.combining.collective_bytes(found[2], v.aval.dtype))
+    def gather(axes, s, v=v, pos=pos):
+      found = gather_after_loop(s.out_specs[pos], axes, nbytes(v), sizes)
+      return 0.0 if found is None else cost_model.all_gather(
+          found[1], cost_model.combining.collective_bytes(found[2], v.aval.dtype))
+    add(nodes[node], gather)
 
 
 def _rule_out_undivided(costs, node: Node, loop: MicroBatchLoop, sizes) -> None:
