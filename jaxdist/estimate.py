@@ -405,7 +405,7 @@ def _split_step(planned, closed, size=nbytes, gathered_inputs=None, hoisted=None
   # (A shard plan's micro-batch loop runs the gradient part unrolled: its scans too.)
   timeline = Timeline(jaxpr, size, lmesh.devices[0].platform,
                       frozenset(jaxpr.invars[i] for i in layout.stream_inputs or ()),
-                      unrolled=planned.shard_plan is not None)
+                      unrolled=planned.shard_plan is not None, in_loop=k > 1)
   markers = [e for e, _, _ in timeline.eqns if e.primitive.name == jaxpr_util.IDENTITY_MARKER]
   marker = markers[0] if layout.grad_reduce_specs is not None and len(markers) == 1 else None
   combined = "all-reduce" in combining_for(lmesh.devices[0].platform).kinds
@@ -623,7 +623,11 @@ def _shard_parallel(planned):
     return nbytes(v)
 
   jaxpr = result.step.closed_jaxpr.jaxpr
-  timeline = Timeline(jaxpr, size, lmesh.devices[0].platform)
+  regions = None
+  if planned.layout.rolled is not None:  # the unrolled scans compile as loops
+    region = {id(n.eqn): n.region for n in graph.nodes if n.eqn is not None}
+    regions = lambda eqn: region.get(id(eqn))
+  timeline = Timeline(jaxpr, size, lmesh.devices[0].platform, regions=regions)
   written = sum(b for _, _, b in timeline.buffers.values())
   marker = next((e for e, _, _ in timeline.eqns
                  if e.primitive.name == jaxpr_util.IDENTITY_MARKER), None)

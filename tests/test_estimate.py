@@ -194,6 +194,44 @@ def test_a_scan_unrolled_in_a_micro_batch_loop_does_not_stack_its_residuals():
   assert abs(est.memory_per_device / est.compiled["total"] - 1) <= 0.10, est.summary()
 
 
+class _LSTMClassifier(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(10)(nn.RNN(nn.OptimizedLSTMCell(128))(x)[:, -1])
+
+
+@pytest.mark.parametrize("method", [
+    jd.DataParallel(),
+    jd.ShardParallel(logical_mesh_shape=(8,)),
+    jd.ShardParallel(logical_mesh_shape=(8,), num_micro_batches=4),
+    jd.Zero3Parallel(num_micro_batches=4),
+], ids=["dp", "shard", "shard-k4", "zero3-k4"])
+def test_an_lstm_is_estimated(method):
+  """An LSTM over 40 steps, each step's four gate kernels one (in, 4 x 128) matrix whose
+  gradient the backward splits and adds up per step. Estimates against XLA's bytes
+  before: 1.16x (DataParallel: the scan transpose's zero-filled accumulators counted
+  beside its results, which XLA's while loop writes in place), 1.71x (ShardParallel:
+  planned unrolled, the 40 per-step gradients added in one fusion, though the scan
+  compiles as a loop), 12.4x (ShardParallel with one example per device and micro-batch:
+  each step's kernel gradient, an outer product, counted as a written matrix; XLA
+  computes it inside the fusion adding them up), 1.24x (ZeRO-3 with micro-batches)."""
+  x = jax.random.normal(jax.random.key(0), (32, 40, 64))
+  batch = {"x": x, "y": jax.random.randint(jax.random.key(1), (32,), 0, 10)}
+  model = _LSTMClassifier()
+  state = train_state.TrainState.create(apply_fn=model.apply, tx=optax.adam(1e-3),
+                                        params=model.init(jax.random.key(2), x)["params"])
+
+  def step(state, batch):
+    def loss_fn(params):
+      logits = state.apply_fn({"params": params}, batch["x"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    loss, grads = jd.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  est = jd.estimate(step, state, batch, method=method, compile=True)
+  assert abs(est.memory_per_device / est.compiled["total"] - 1) <= 0.10, est.summary()
+
+
 def test_a_micro_batched_shard_plan_counts_the_copies_made_before_its_loop():
   """Under a memory budget this first plan splits Adam's moments but updates them whole:
   XLA all-gathers ``b1 * mu`` and ``b2 * nu`` before the micro-batch loop and keeps them
