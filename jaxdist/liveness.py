@@ -198,6 +198,22 @@ class Timeline:
           continue
         self._owner[o] = b
         end[b] = max(end.get(o, i), i)
+    start: dict = {}  # a buffer written before the value naming it is made
+    if regions is not None:
+      # A conditional compiled as one, its branches written out and each output a
+      # select_n of theirs: a branch writes its result into the conditional's output
+      # (measured on an MLP whose Adam update runs under lax.cond: counted as buffers of
+      # their own until the selection, the new states made the estimate 1.37x of XLA's).
+      for i, (eqn, ins, outs) in enumerate(self.eqns):
+        cases = [self._root(v) for v in ins[1:] if not isinstance(v, jex.Literal)]
+        if (eqn.primitive.name != "select_n"
+            or not any(v in made_at and region[made_at[v]] != region[i] for v in cases)):
+          continue
+        for b in cases:
+          if b in made_at and b not in inputs and b not in outputs and b != outs[0]:
+            self._owner[b] = outs[0]
+            start[outs[0]] = min(start.get(outs[0], i), made_at[b])
+            end[outs[0]] = max(end.get(outs[0], i), end.get(b, i))
     self._reuse_dying_operands(fused, end, inputs, outputs)
     elided = self._fold_scatters_into_sums(readers, end, inputs, outputs)
     self.buffers: dict = {}
@@ -222,7 +238,7 @@ class Timeline:
           continue
         if isinstance(o, jex.DropVar) or o in outputs or o in inputs:
           continue
-        self.buffers[o] = [i, max(end.get(o, i), i), size(o)]
+        self.buffers[o] = [start.get(o, i), max(end.get(o, i), i), size(o)]
     if platform == "cpu":
       self._make_input_only_values_early(static, inputs - set(late_inputs))
 
