@@ -111,6 +111,31 @@ def test_ilp_optimum_with_memory_on_pairs_of_choices_equals_brute_force(tied):
   assert memory.least_possible() <= min(memory.usage(c) for c in choices)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_hub_solved_per_choice_keeps_the_optimum(seed):
+  """A group of 3 choices with edges to 8 others (the micro-batch loop's batch leaf and
+  the gradients) is solved once per choice: the optimum, with memory on the hub's pairs
+  and under a budget too, is the brute-force one."""
+  from jaxdist.shard.solver import _hub
+  rng = np.random.default_rng(seed)
+  sizes = [3] + [2] * 8
+  edges = {(0, g): rng.random((3, 2)) for g in range(1, 9)}
+  edges.update({(g, g + 1): rng.random((2, 2)) for g in range(1, 8)})
+  nodes = [Node(f"g{g}", g, [Strategy("s", ((),), ())] * n) for g, n in enumerate(sizes)]
+  graph = StrategyGraph(nodes, sizes, [rng.random(n) for n in sizes], edges, {}, (), hub=0)
+  assert _hub(graph) == 0
+  assert solve_ilp(graph).objective == pytest.approx(solve_brute_force(graph).objective,
+                                                     rel=1e-6, abs=1e-9)
+  memory = MemoryConstraint(
+      tuple({g: rng.random(n) * 10 for g, n in enumerate(sizes)} for _ in range(2)), (1.0, 2.0),
+      tuple({(0, g): rng.random((3, 2)) * 5 for g in (1, 4)} for _ in range(2)))
+  budget = float(np.median([memory.usage(c) for c in
+                            itertools.product(*[range(n) for n in sizes])]))
+  ilp, brute = solve_ilp(graph, memory, budget), solve_brute_force(graph, memory, budget)
+  assert ilp.objective == pytest.approx(brute.objective, rel=1e-6, abs=1e-9)
+  assert memory.usage(ilp.choice) <= budget + 1e-9
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_free_leaf_groups_fold_without_changing_the_optimum(seed):
   """Groups whose only edge makes one of their choices free for each choice of the

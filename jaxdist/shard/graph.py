@@ -89,6 +89,8 @@ class StrategyGraph:
     combine: the collectives XLA may combine, for one α per combined group
       (:class:`jaxdist.shard.combine.Terms`).
     loop: the micro-batch loop the costs price, if any (:attr:`loop`).
+    hub: the group of the micro-batch loop's largest batch leaf (set when priced), whose
+      choice the loop's entry and exit costs depend on (edges to many groups).
     dead: equation nodes outside loops whose results reach no output. XLA drops them, so
       they have no collectives; the ILP still prices them (a pipeline stage's backward
       recomputes its forward, whose outputs it does not return: they stand in for the
@@ -104,6 +106,7 @@ class StrategyGraph:
   flows: list = dataclasses.field(default_factory=list)
   combine: object = None
   dead: frozenset = frozenset()
+  hub: int | None = None
   _loop: Callable[[], MicroBatchLoop] | None = dataclasses.field(default=None, repr=False)
   _pricing: Callable[[], tuple] | None = dataclasses.field(default=None, repr=False)
 
@@ -425,6 +428,7 @@ def _add_loop_entry_and_exit(group_costs, edge_costs, graph: StrategyGraph,
   all-gathered first (``micro.gather_after_loop``: an edge from the largest leaf)."""
   loop, nodes, sizes = graph.loop, graph.nodes, cost_model.axis_sizes
   first = nodes[graph.producer[loop.batch_inputs[0]][0]]
+  graph.hub = first.group
   batch_axes = [s.out_specs[0][0] if s.out_specs[0] else () for s in first.strategies]
   seconds = lambda moves: sum(cost_model.collective(*c) + (
       cost_model.latency(c[1]) if c[0] in cost_model.combining.kinds else 0.0) for c in moves)

@@ -28,6 +28,8 @@ import numpy as np
 from jaxdist import errors
 from jaxdist.shard.graph import StrategyGraph
 
+HUB_CHOICES = 8  # the most choices of a hub solved once per choice (see _hub)
+
 log = logging.getLogger("jaxdist.plan")
 
 
@@ -129,7 +131,8 @@ def tie(graph: StrategyGraph, memory: MemoryConstraint | None,
     else:
       edges[a, b] = edges[a, b] + m if (a, b) in edges else m
   combine = graph.combine.reduced(of) if graph.combine is not None else None
-  reduced = StrategyGraph([], sizes, costs, edges, {}, (), combine=combine)
+  reduced = StrategyGraph([], sizes, costs, edges, {}, (), combine=combine,
+                          hub=None if graph.hub is None else of[graph.hub])
   if memory is not None:
     per_group, per_edge = [], []
     for groups, pairs in zip(memory.per_group, memory.edges()):
@@ -147,6 +150,76 @@ def tie(graph: StrategyGraph, memory: MemoryConstraint | None,
       per_edge.append(joined)
     memory = MemoryConstraint(tuple(per_group), memory.constant, tuple(per_edge))
   return reduced, memory, of
+
+
+def _hub(graph: StrategyGraph) -> int | None:
+  """The graph's hub (:attr:`StrategyGraph.hub`, the micro-batch loop's largest batch
+  leaf, whose split decides what every gradient costs after the loop) if it has 2 to
+  :data:`HUB_CHOICES` choices. Its edges to the gradients keep the solver from folding
+  them and weaken the relaxation: solving once per choice of it is faster (an 8-layer
+  MLP's plan on 2x4 with 4 micro-batches and recomputation, 3 choices: 7.8 s in one
+  solve; 2x faster by choice, measured side by side)."""
+  hub = graph.hub
+  return hub if hub is not None and 1 < graph.group_sizes[hub] <= HUB_CHOICES else None
+
+
+def _fixed(graph: StrategyGraph, memory: MemoryConstraint | None, hub: int, a: int
+           ) -> tuple[StrategyGraph, MemoryConstraint | None]:
+  """``graph`` and ``memory`` with group ``hub`` held at choice ``a`` (one choice left):
+  its edges become costs (and bytes) of the groups at their other ends."""
+  sizes = list(graph.group_sizes)
+  sizes[hub] = 1
+  costs = [np.array(c, dtype=float) for c in graph.group_costs]
+  costs[hub] = costs[hub][a:a + 1]
+  edges = {}
+  for (g, h), m in graph.edge_costs.items():
+    if g == hub and h == hub:
+      costs[hub] += m[a, a]
+    elif g == hub:
+      costs[h] = costs[h] + m[a, :]
+    elif h == hub:
+      costs[g] = costs[g] + m[:, a]
+    else:
+      edges[g, h] = m
+  combine = graph.combine
+  if combine is not None:
+    terms = []
+    for term in combine.terms:
+      members = []
+      for where, b in term.members:
+        if where[0] == "x":
+          if where[1] != hub:
+            members.append((where, b))
+          elif where[2] == a:
+            members.append((("x", hub, 0), b))
+        elif where[1] == hub:
+          if where[3] == a:
+            members.append((("x", where[2], where[4]), b))
+        elif where[2] == hub:
+          if where[4] == a:
+            members.append((("x", where[1], where[3]), b))
+        else:
+          members.append((where, b))
+      terms.append(dataclasses.replace(term, members=tuple(members)))
+    combine = dataclasses.replace(combine, terms=tuple(terms))
+  if memory is not None:
+    per_group, per_edge = [], []
+    for groups, pairs in zip(memory.per_group, memory.edges()):
+      merged = {g: v[a:a + 1] if g == hub else v for g, v in groups.items()}
+      joined = {}
+      for (g, h), m in pairs.items():
+        if g == hub and h == hub:
+          merged[hub] = merged.get(hub, 0) + m[a, a:a + 1]
+        elif g == hub:
+          merged[h] = merged.get(h, 0) + m[a, :]
+        elif h == hub:
+          merged[g] = merged.get(g, 0) + m[:, a]
+        else:
+          joined[g, h] = m
+      per_group.append(merged)
+      per_edge.append(joined)
+    memory = MemoryConstraint(tuple(per_group), memory.constant, tuple(per_edge))
+  return StrategyGraph([], sizes, costs, edges, {}, (), combine=combine), memory
 
 
 def fold_free_leaves(graph: StrategyGraph, memory: MemoryConstraint | None):
@@ -282,6 +355,26 @@ def solve_ilp(graph: StrategyGraph, memory: MemoryConstraint | None = None,
     solution = solve_ilp(reduced, reduced_memory, budget, time_limit_s)
     choice = tuple(solution.choice[of[g]] for g in range(len(graph.group_sizes)))
     return Solution(choice, objective_of(graph, choice), solution.status)
+  hub = _hub(graph)
+  if hub is not None:
+    # One solve per choice of the hub, whose edges are then costs of their other ends.
+    n = graph.group_sizes[hub]
+    best, failed = None, None
+    for a in range(n):
+      try:
+        solution = solve_ilp(*_fixed(graph, memory, hub, a), budget,
+                             None if time_limit_s is None else time_limit_s / n)
+      except errors.InfeasiblePlanError as e:
+        failed = e
+        continue
+      choice = solution.choice[:hub] + (a,) + solution.choice[hub + 1:]
+      found = Solution(choice, objective_of(graph, choice), solution.status)
+      if best is None or ((found.status == "over_budget", found.objective)
+                          < (best.status == "over_budget", best.objective)):
+        best = found
+    if best is None:
+      raise failed
+    return best
   folded = fold_free_leaves(graph, memory)
   if folded is not None:
     reduced, reduced_memory, expand = folded
