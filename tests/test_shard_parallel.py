@@ -134,6 +134,8 @@ def test_a_hub_solved_per_choice_keeps_the_optimum(seed):
   ilp, brute = solve_ilp(graph, memory, budget), solve_brute_force(graph, memory, budget)
   assert ilp.objective == pytest.approx(brute.objective, rel=1e-6, abs=1e-9)
   assert memory.usage(ilp.choice) <= budget + 1e-9
+  with pytest.raises(errors.InfeasiblePlanError, match="least any plan needs"):
+    solve_ilp(graph, memory, budget=memory.least_possible() * 0.5)
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -359,13 +359,12 @@ def solve_ilp(graph: StrategyGraph, memory: MemoryConstraint | None = None,
   if hub is not None:
     # One solve per choice of the hub, whose edges are then costs of their other ends.
     n = graph.group_sizes[hub]
-    best, failed = None, None
+    best = None
     for a in range(n):
       try:
         solution = solve_ilp(*_fixed(graph, memory, hub, a), budget,
                              None if time_limit_s is None else time_limit_s / n)
-      except errors.InfeasiblePlanError as e:
-        failed = e
+      except errors.InfeasiblePlanError:
         continue
       choice = solution.choice[:hub] + (a,) + solution.choice[hub + 1:]
       found = Solution(choice, objective_of(graph, choice), solution.status)
@@ -373,7 +372,7 @@ def solve_ilp(graph: StrategyGraph, memory: MemoryConstraint | None = None,
                           < (best.status == "over_budget", best.objective)):
         best = found
     if best is None:
-      raise failed
+      _infeasible(memory, budget)  # (the least any plan needs, over every choice of the hub)
     return best
   folded = fold_free_leaves(graph, memory)
   if folded is not None:
