@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec
 from jaxdist import cache_dir
 from jaxdist.shard.solver import Solution
 
-VERSION = 26
+VERSION = 27  # 27: the liveness model under budgets (outer products, loop carries, conditionals)
 log = logging.getLogger("jaxdist.plan")
 
 
