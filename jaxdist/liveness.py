@@ -148,9 +148,13 @@ class Timeline:
     # A fused result is recomputed inside each reader's fusion: its operands stay live
     # until its last reader (walked backwards, so chains of fused values carry through).
     static = _static(self.eqns, jaxpr.constvars)
-    made_by = {o: eqn for eqn, _, outs in self.eqns for o in outs}
     made_at = {o: i for i, (_, _, outs) in enumerate(self.eqns) for o in outs}
-    fused = [_fused(eqn, outs, readers, outputs, static, made_by) for eqn, _, outs in self.eqns]
+    outer = [False] * n  # outer products, and transposes of one (see _outer_product)
+    for i, (eqn, ins, _) in enumerate(self.eqns):
+      outer[i] = (_outer_product(eqn) or (eqn.primitive.name == "transpose" and bool(ins)
+                                          and outer[made_at.get(ins[0], i)]))
+    fused = [_fused(eqn, outs, readers, outputs, static, outer[i])
+             for i, (eqn, _, outs) in enumerate(self.eqns)]
     for i, (eqn, ins, _) in enumerate(self.eqns):  # an outer product a transpose writes
       if eqn.primitive.name == "transpose" and (bitcast[i] or not fused[i]):
         j = made_at.get(ins[0]) if ins else None
@@ -459,7 +463,7 @@ def _dot_order(eqn, side: int) -> tuple[int, ...] | None:
   return None if order == tuple(range(rank)) else order
 
 
-def _fused(eqn, outs, readers, outputs, static=frozenset(), made_by=None) -> bool:
+def _fused(eqn, outs, readers, outputs, static=frozenset(), outer: bool = False) -> bool:
   """Whether XLA fuses ``eqn`` into its reader instead of writing its result: an
   elementwise op (or broadcast) read by exactly one op that fuses its operands. A value
   read more than once is written once (measured on the CPU backend: a GPT's residual
@@ -476,7 +480,7 @@ def _fused(eqn, outs, readers, outputs, static=frozenset(), made_by=None) -> boo
   if eqn.primitive.name in SLICES:
     return bool(names) and all(len(readers.get(o, ())) <= 1 for o in outs) and all(
         r in FUSIBLE | REDUCTIONS for r in names)
-  if _outer_product(eqn, made_by or {}):
+  if outer:
     return bool(names) and all(r in FUSIBLE | REDUCTIONS | SLICES | {"transpose"}
                                for r in names)
   if eqn.primitive.name not in FUSIBLE:
@@ -498,15 +502,12 @@ def _carried(eqn, ins, outs) -> list[tuple]:
   return list(zip(ins[first:first + n], outs[:n]))
 
 
-def _outer_product(eqn, made_by: dict) -> bool:
-  """A dot_general that contracts nothing but dims of size 1, or a transpose of one: XLA's
-  simplifier makes it a multiply of broadcasts, which fuses into its readers (a weight
-  gradient of one row, micro-batches of one example per device; an LSTM's 40 per-step
-  gradients, added up in one fusion, were estimated 12x of XLA's bytes written as
-  matrices). ``made_by``: value → the equation making it."""
-  if eqn.primitive.name == "transpose":
-    producer = made_by.get(eqn.invars[0])
-    return producer is not None and _outer_product(producer, made_by)
+def _outer_product(eqn) -> bool:
+  """A dot_general that contracts nothing but dims of size 1: XLA's simplifier makes it
+  (and a transpose of it) a multiply of broadcasts, which fuses into its readers (a
+  weight gradient of one row, micro-batches of one example per device; an LSTM's 40
+  per-step gradients, added up in one fusion, were estimated 12x of XLA's bytes written
+  as matrices)."""
   if eqn.primitive.name != "dot_general":
     return False
   (contracting, _), _ = eqn.params["dimension_numbers"]
