@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/jaxdist demo
 
-# Two workers: tracing, planning and XLA's compiles are single-threaded (10 min instead of 14 on 2 cores).
-# `make test` leaves out the few cases marked slow (a minute or more each); `make test-all` runs them too.
+# Two workers: tracing, planning and XLA's compiles are single-threaded (three workers on 2 cores
+# were slower: 1363 s against 1278 s).
+# `make test` leaves out the few cases marked slow (20 s to over a minute each); `make test-all` runs them too.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m "not slow"
 

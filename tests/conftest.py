@@ -21,6 +21,9 @@ if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
 # estimates checked against XLA's bytes, one moved, by 1.4% (a 16 KB temporary fewer).
 if "--xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
+# Code generation on one thread: two pytest workers already share the 2 cores.
+if "--xla_cpu_parallel_codegen_split_count" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " --xla_cpu_parallel_codegen_split_count=1"
 os.environ["JAX_PLATFORMS"] = "cpu"
 # Solved plans are cached on disk (jaxdist.shard.cache): in a fresh folder per test run.
 os.environ["JAXDIST_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxdist-test-cache-")

@@ -128,6 +128,9 @@ def test_a_failing_process_fails_the_launch():
   assert proc.returncode == 3
 
 
+# Two launches of the example (about a minute): `make test-all`. The tests above cover two
+# processes against one; tests/test_state.py covers checkpoints across layouts.
+@pytest.mark.slow
 def test_train_example_resumes_from_a_two_process_checkpoint(tmp_path):
   """examples/train_gpt.py (sharded creation, ShardParallel, FollowParallel evaluation,
   orbax checkpoints): 6 steps on 2 processes with checkpoints at 2, 4 and 6; the last

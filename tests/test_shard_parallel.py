@@ -313,6 +313,8 @@ def test_memory_budget_is_met_or_refused():
             memory_budget_per_device=1000))).get_executable(state, data)
 
 
+# Five plans and four compiles of a GPT (35 s): `make test-all`.
+@pytest.mark.slow
 def test_a_micro_batched_plan_holds_its_accumulators_within_the_budget():
   """With num_micro_batches=4 the step keeps what the whole-batch program does not: an
   accumulator per gradient at its layout less the batch axes, the parameters gathered
@@ -605,6 +607,8 @@ def test_scanned_layers_are_planned_inside():
   assert_trees_close(f(state, batch), jax.jit(step)(state, batch), rtol=1e-4, atol=1e-5)
 
 
+# A fallback that HiGHS takes or not (23 s): `make test-all`.
+@pytest.mark.slow
 def test_scan_iterations_planned_differently_compile_unrolled():
   """Without tying, the ILP may give a scan's iterations different (equally cheap) plans
   (HiGHS does here, on 2x4): the step then compiles unrolled, still equal to serial and
