@@ -383,13 +383,14 @@ def test_early_gathers_of_a_batch_norm_step_are_sized_as_xla_schedules_them(meth
   ZeRO-3's parameters for the backward, before the forward ends (they wait on nothing
   the step computes): counted at their readers, the estimate was 0.76x of XLA's bytes
   under ZeRO-2 and 0.63x under ZeRO-3 (the plans of then, which gathered both moments);
-  now 0.92x and 0.90x (0.90x with jax's grad)."""
+  then 0.92x and 0.90x; with the transposed copies the backward's convolutions read and
+  write (XLA:CPU convolves NHWC by HWIO only), 1.07x and 0.97x."""
   from jaxdist.bench import wresnet
   config = wresnet.WResNetConfig(image_size=16, base_width=16, width_factor=2)
   est = jd.estimate(wresnet.train_step(grad), wresnet.create_state(config, tx=optax.adam(1e-3)),
                     wresnet.batch(16, config), method=method, compile=True)
   compiled = est.compiled["total"]
-  assert abs(est.memory_per_device - compiled) <= 0.15 * compiled, est.summary()
+  assert abs(est.memory_per_device - compiled) <= 0.10 * compiled, est.summary()
 
 
 def test_max_pool_gradients_are_sized_as_the_cpu_backend_expands_them():

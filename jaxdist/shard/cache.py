@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec
 from jaxdist import cache_dir
 from jaxdist.shard.solver import Solution
 
-VERSION = 27  # 27: the liveness model under budgets (outer products, loop carries, conditionals)
+VERSION = 28  # 28: the liveness model under budgets (convolutions read and write transposed copies)
 log = logging.getLogger("jaxdist.plan")
 
 
