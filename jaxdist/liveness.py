@@ -34,9 +34,9 @@ index arrays: while it runs, one s32 iota per operand dim over the operand and o
 index per source element and operand dim are alive (measured on a conv net's pooled
 activations: four s32 copies of the operand and four of the source at the peak), and runs
 a random draw (dropout's) as a threefry loop whose state is several 32-bit arrays of the
-draw's shape (:data:`THREEFRY_STATE`). It multiplies and convolves in canonical dimension order, so
-a dot or convolution that reads an input in another order reads a transposed copy of it,
-made early and kept until that input's last such read.
+draw's shape (:data:`THREEFRY_STATE`). It multiplies and convolves in canonical
+dimension order, so a dot or convolution that reads an input in another order reads a
+transposed copy of it, made early and kept until that input's last such read.
 """
 
 from __future__ import annotations

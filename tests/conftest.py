@@ -16,9 +16,9 @@ os.environ["XLA_FLAGS"] = (re.sub(r"--xla_force_host_platform_device_count=\d+",
 if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 # And with XLA:CPU's older elemental emitters, which compile a step in 0.6x the time of the
-# default fusion emitters (the whole suite: 960 s instead of 1335 s on 2 cores). Fusion
-# decisions, collectives and buffer assignment are the default compiler's: of 59 memory
-# estimates checked against XLA's bytes, one moved, by 1.4% (a 16 KB temporary fewer).
+# default fusion emitters (the whole suite: 960 s instead of 1335 s on 2 cores). The HLO
+# passes are the default compiler's; buffer assignment nearly: of 59 memory estimates
+# checked against XLA's bytes, one moved, by 1.4% (a 16 KB temporary fewer).
 if "--xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 # Code generation on one thread: two pytest workers already share the 2 cores.
