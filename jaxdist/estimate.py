@@ -301,17 +301,14 @@ def estimate_planned(method: m.Method, planned, micro_step, calibrated: bool = T
   breakdown.update(work.temps)
   written = work.written + outputs + sum(breakdown[p] for p in ("params", "optimizer", "batch"))
   profile = calibration.load(profile_devices or lmesh.devices) if calibrated else None
-  links = lmesh
-  if profile is not None and profile.alpha_s is not None and _default_costs(lmesh):
-    links = LogicalMesh(lmesh.shape, axis_names=lmesh.axis_names, alpha=profile.alpha_s,
-                        beta=profile.beta_s_per_byte, devices=lmesh.devices,
-                        peak_flops=lmesh.peak_flops)
+  links = measured_links(profile, lmesh)
+  if links is not lmesh:
     notes.append(f"communication time at the link costs {profile.path} measured: α "
                  f"{profile.alpha_s * 1e6:.3g} µs, {1e-9 / max(profile.beta_s_per_byte, 1e-30):.3g} "
                  f"GB/s (the mesh has its device kind's default costs)")
   communication = communication_seconds(collectives, links)
+  compute = compute_seconds(profile, work.flops, written, lmesh)
   if profile is not None:
-    compute = profile.compute_seconds(work.flops, written)
     notes.append(f"compute time calibrated by {profile.path} ({profile.created})")
     if links is not lmesh and profile.sync_fraction:
       communication += profile.sync_seconds(compute, sum(c["count"] for c in collectives.values()))
@@ -319,7 +316,6 @@ def estimate_planned(method: m.Method, planned, micro_step, calibrated: bool = T
                    f"{profile.path} measured ({profile.sync_fraction:.2f} of the compute "
                    f"before it, at most {profile.sync_cap_s * 1e3:.3g} ms)")
   else:
-    compute = work.flops / lmesh.peak_flops + written / CostModel(lmesh).memory_bandwidth
     notes.append("compute time at the device kind's peak flops and memory bandwidth (no "
                  "calibration profile for these devices: jaxdist.calibrate())")
   from jaxdist.executable import make_plan
@@ -801,6 +797,14 @@ def _compute_shards(strategy, sizes, out_shards) -> int:
   return max(out_shards * reduced, 1)
 
 
+def compute_seconds(profile, flops: float, written: float, lmesh) -> float:
+  """One device's seconds for ``flops`` and ``written`` bytes: at the calibration
+  ``profile``'s rates, or (None) at ``lmesh``'s peak flops and memory bandwidth."""
+  if profile is not None:
+    return profile.compute_seconds(flops, written)
+  return flops / lmesh.peak_flops + written / CostModel(lmesh).memory_bandwidth
+
+
 def communication_seconds(collectives, lmesh) -> float:
   """α-β time of the predicted collectives on ``lmesh``, over every mesh axis (a
   conservative placement where the kind's axes are not recorded)."""
@@ -821,6 +825,16 @@ def communication_seconds(collectives, lmesh) -> float:
       one = cost_model.all_gather(axes, per_op)
     seconds += count * one
   return seconds
+
+
+def measured_links(profile, lmesh):
+  """``lmesh`` with the link costs ``profile`` measured, where it has its device kind's
+  defaults (the user's own costs are kept); else ``lmesh`` itself."""
+  if profile is None or profile.alpha_s is None or not _default_costs(lmesh):
+    return lmesh
+  return LogicalMesh(lmesh.shape, axis_names=lmesh.axis_names, alpha=profile.alpha_s,
+                     beta=profile.beta_s_per_byte, devices=lmesh.devices,
+                     peak_flops=lmesh.peak_flops)
 
 
 def _default_costs(lmesh) -> bool:

@@ -16,12 +16,17 @@ temporaries, as for a ShardParallel step) plus what lives beside it while it run
   every device.
 
 A stage's time per micro-batch is its backward program's estimate plus its forward's
-compute (the backward's compute scaled by the forward's share of the flops). The step
-is ``Σ c + (micro-batches − 1) · max c`` (the formula the executable's objective uses;
-on simulated CPU devices the bubble ``Σ c − max c`` is cheaper, ``_bubble_share``)
-plus the optimizer's update after the last micro-batch (each stage's update programs,
-planned on its devices, estimated alike; the slowest stage's count); moving activations
-between sub-meshes is not counted.
+compute (the backward's compute scaled by the forward's share of the flops). A stage
+run per device (``per_device.py``) is timed from that program, the one that runs: its
+flops and bytes per device, no collective per micro-batch, and one all-reduce of its
+gradient accumulator per step (its shard plan, priced instead, put a 2-stage MLP's step
+at 0.57x of its measured time; the per-device program's figures, 1.0x). The step is
+``Σ c + (micro-batches − 1) · max c`` (the formula the executable's objective uses; on
+simulated CPU devices the bubble ``Σ c − max c`` is cheaper, ``_bubble_share``) plus the
+optimizer's update after the last micro-batch (each stage's gradient reduction and
+update programs, planned on its devices, estimated alike; the slowest stage's count).
+Not counted: moving activations between sub-meshes, and the collectives of a planned
+stage's forward program (planned apart from its backward only when it compiles).
 """
 
 from __future__ import annotations
@@ -35,10 +40,12 @@ import jax
 import jax.extend.core as jex
 import numpy as np
 
-from jaxdist import jaxpr_util
-from jaxdist.estimate import Estimate, StageEstimate, estimate_planned
+from jaxdist import calibration, jaxpr_util
+from jaxdist.estimate import (Estimate, StageEstimate, communication_seconds, compute_seconds,
+                              estimate_planned, measured_links)
 from jaxdist.liveness import Timeline
 from jaxdist.pipeline.partition import stage_functions
+from jaxdist.pipeline.per_device import LOSS_OUTPUT, REPLICATED
 from jaxdist.pipeline.runtime import device_bytes
 from jaxdist.plan import Plan, PlanEntry
 from jaxdist.shard.strategies import nbytes
@@ -67,7 +74,8 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
     timings["compile_s"] = time.perf_counter() - start
   start = time.perf_counter()
   slices = exe.batch_slice_bytes()
-  stages, estimates = [], []
+  profile = calibration.load(exe._lmesh.devices) if calibrated else None
+  stages, estimates, reductions = [], [], {}
   for s, st in enumerate(exe.stages):
     result = _accumulating_early(st.backward_plan)
     planned = Planned(result.step, result.step, result.layout, result, (), {})
@@ -78,7 +86,23 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
       part = dict(est.breakdown)
       part["grads"] += part.pop("optimizer")  # the backward's donated gradient accumulator
     else:
-      part = _per_device_parts(per_device, st.mesh.devices[0].platform, exe._frozen)
+      # The programs that run are the per-device ones: per micro-batch they all-reduce
+      # only the loss outputs and the cotangents of inputs every device holds alike; the
+      # accumulator is all-reduced once per step (the stage's ``reduce``).
+      lmesh = result.layout.logical_mesh
+      links = measured_links(profile, lmesh)
+      part, flops, written, collectives = _per_device_work(
+          per_device, st.mesh.devices[0].platform, exe._frozen)
+      reduced = {"count": 1.0, "result_bytes": part["grads"]}
+      reductions[_devices(lmesh)] = (reduced, communication_seconds({"all-reduce": reduced},
+                                                                    links))
+      compute = compute_seconds(profile, flops, written, lmesh)
+      communication = communication_seconds(collectives, links)
+      if profile is not None and links is not lmesh:
+        communication += profile.sync_seconds(compute, sum(c["count"]
+                                                           for c in collectives.values()))
+      est = dataclasses.replace(est, compute_s=compute, communication_s=communication,
+                                collectives=collectives, flops=flops, bytes_accessed=written)
     held = sum(device_bytes(a) for a in st.in_avals) * max(in_flight[s] - 1, 0)
     program = sum(part.values())
     breakdown = dict(params=part["params"], optimizer=exe.optimizer_bytes(st),
@@ -100,7 +124,8 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
     estimates.append(est)
   peak = max(stages, key=lambda st: st.memory_per_device)
   slowest = max(stages, key=lambda st: st.seconds_per_micro_batch)
-  update_compute, update_communication = _update_seconds(exe, method, calibrated)
+  update_compute, update_communication, once = _update_seconds(exe, method, calibrated,
+                                                               reductions)
   shared = _bubble_share(stages, exe._lmesh.devices[0].platform)
   compute = (slowest.compute_s + shared * (sum(st.compute_s for st in stages) - slowest.compute_s)
              + (k - 1) * slowest.compute_s + update_compute)
@@ -121,12 +146,12 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
     communication = (k * sum(st.communication_s for st in busy)
                      + (p - 1) * slowest.communication_s + update_communication)
     breakdown = {key: sum(st.breakdown[key] for st in busy) for key in breakdown}
-  collectives: dict = {}
-  for est in estimates:
-    for kind, c in est.collectives.items():
+  collectives: dict = {}  # the stages' backward programs per micro-batch, the rest once
+  for times, program in [(k, e.collectives) for e in estimates] + [(1, c) for c in once]:
+    for kind, c in program.items():
       total = collectives.setdefault(kind, {"count": 0.0, "result_bytes": 0.0})
-      total["count"] += k * c["count"]
-      total["result_bytes"] += k * c["result_bytes"]
+      total["count"] += times * c["count"]
+      total["result_bytes"] += times * c["result_bytes"]
   notes = [f"stage {st.index}: layers {st.layers[0]}..{st.layers[1] - 1} on {st.num_devices} "
            f"devices as {st.mesh_shape}, {st.max_in_flight} micro-batches in flight"
            for st in stages]
@@ -190,36 +215,56 @@ def _host_cores() -> int:
   return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _update_seconds(exe, method, calibrated: bool) -> tuple[float, float]:
-  """(compute, communication) seconds of the update programs after the last micro-batch:
-  each one planned on a stage's devices is estimated as a stage program is; the stages'
+def _update_seconds(exe, method, calibrated: bool,
+                    reductions: dict[frozenset, tuple]) -> tuple[float, float, list[dict]]:
+  """(compute, communication) seconds of what runs once after the last micro-batch, and
+  its collectives (a list of kind → count and bytes). The update programs planned on a
+  stage's devices are estimated as a stage program is; they follow the stage's gradient
+  ``reductions`` (per stage's devices: the all-reduce and its seconds). The stages'
   updates run side by side, so the stage whose updates take longest counts. Replicated
   programs over all devices (scalars crossing stages, a global norm) are not counted."""
   from jaxdist.api import Planned
-  per_stage: dict[frozenset, tuple[float, float]] = {}
+  per_stage = {devices: (0.0, seconds) for devices, (_, seconds) in reductions.items()}
+  collectives = [{"all-reduce": reduced} for reduced, _ in reductions.values()]
   for program in exe._applies:
     result = program.plan
     if result is None:
       continue
     planned = Planned(result.step, result.step, result.layout, result, (), {})
     est = estimate_planned(method, planned, None, calibrated, exe._lmesh.devices)
-    devices = frozenset(d.id for d in result.layout.logical_mesh.mesh.devices.flat)
+    devices = _devices(result.layout.logical_mesh)
     compute, communication = per_stage.get(devices, (0.0, 0.0))
     per_stage[devices] = (compute + est.compute_s, communication + est.communication_s)
-  return max(per_stage.values(), key=sum, default=(0.0, 0.0))
+    collectives.append(est.collectives)
+  return (*max(per_stage.values(), key=sum, default=(0.0, 0.0)), collectives)
+
+
+def _devices(lmesh) -> frozenset:
+  return frozenset(d.id for d in lmesh.mesh.devices.flat)
 
 
 # What a stage keeps on its devices between its programs.
 STATE = ("params", "optimizer", "grads")
 
 
-def _per_device_parts(pd, platform: str, frozen: frozenset) -> dict[str, float]:
+def _per_device_work(pd, platform: str, frozen: frozenset):
   """The backward program of a stage run per device (``per_device.py``), per device:
-  its operands, micro-batch slices and cotangents, one full-size row of the gradient
-  accumulator (donated), and the temporaries of a liveness walk of the per-device trace."""
+  its parts (operands, micro-batch slices and cotangents, one full-size row of the
+  gradient accumulator (donated), and the temporaries of a liveness walk of the
+  per-device trace), its flops, the bytes it reads and writes (as ``estimate_planned``
+  counts them: its buffers, inputs and outputs), and the collectives of its forward and
+  backward per micro-batch (kind → count and result bytes: all-reduces of the loss
+  outputs and of the cotangents of inputs every device holds alike, one per element
+  type, as ``predict.py`` counts them)."""
   forward, backward, diff, float_in, float_out = stage_functions(pd.loss, pd.stage,
                                                                  frozen=frozen)
-  del forward, float_in
+  del forward
+  reduced = [v.aval for v, kind in zip(pd.stage.acts_out, pd.acts_out) if kind[0] == LOSS_OUTPUT]
+  reduced += [pd.stage.acts_in[p].aval for p in float_in if pd.acts_in[p][0] == REPLICATED]
+  collectives = {"all-reduce": {
+      "count": float(len({str(a.dtype) for a in reduced})),
+      "result_bytes": sum(float(math.prod(a.shape) * a.dtype.itemsize) for a in reduced)}
+  } if reduced else {}
   loss_jaxpr = pd.loss.closed.jaxpr
   aval = lambda v: jax.ShapeDtypeStruct(tuple(v.aval.shape), v.aval.dtype)
   ops = [aval(loss_jaxpr.invars[p]) for p in pd.stage.operands]
@@ -231,11 +276,15 @@ def _per_device_parts(pd, platform: str, frozen: frozenset) -> dict[str, float]:
   accumulator = sum(size(g) for g in grads)
   outputs = sum(nbytes(v) for v in closed.jaxpr.outvars) - accumulator  # aliased
   params = sum(size(ops[p]) for p in diff)
-  return dict(params=params, optimizer=0.0,
-              batch=sum(map(size, ops)) - params + sum(map(size, acts_in + cots)),
-              other=outputs, grads=accumulator, activations=0.0,
-              temporaries=Timeline(_accumulate_early(closed.jaxpr, len(grads)),
-                                   platform=platform).peak().bytes)
+  timeline = Timeline(_accumulate_early(closed.jaxpr, len(grads)), platform=platform)
+  parts = dict(params=params, optimizer=0.0,
+               batch=sum(map(size, ops)) - params + sum(map(size, acts_in + cots)),
+               other=outputs, grads=accumulator, activations=0.0,
+               temporaries=timeline.peak().bytes)
+  flops = sum(jaxpr_util.eqn_flops(e) for e, _, _ in timeline.eqns)
+  written = (sum(b for _, _, b in timeline.buffers.values()) + sum(parts.values())
+             - parts["temporaries"])
+  return parts, flops, written, collectives
 
 
 def _accumulating_early(result):
