@@ -15,10 +15,11 @@ the compile that follows) and are printed on their own. A pipeline's compile is 
 whole (``get_executable``: its stages' plans come from the plan cache the estimate filled,
 then every stage program compiles); its planning (trace, stages, each stage's ILP) is the
 ``plan s`` column.
-Step time: after jd.calibrate() on these devices, the estimate against the measured time:
-the median of three rounds' medians of 5 steps, the rounds going over all rows in turn
-(single medians of the same step vary by 15% within a process on 8 simulated devices
-sharing 2 cores). Goal: within 25%.
+Step time: calibrated on these devices (jd.calibrate's reference steps, timed in the same
+rounds as the rows), the estimate against the measured time: the median of three rounds'
+medians of 5 steps, the rounds going over all rows and references in turn (single medians
+of the same step vary by 15% within a process on 8 simulated devices sharing 2 cores, and
+the machine's speed drifts over minutes). Goal: within 25%.
 Run: python bench/estimate.py
 """
 
@@ -30,8 +31,7 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 
 import jaxdist as jd  # noqa: E402
-from jaxdist import models  # noqa: E402
-from jaxdist.measure import time_in_rounds  # noqa: E402
+from jaxdist import calibration, models  # noqa: E402
 
 ROUNDS = 3  # step times: the median of this many rounds' medians of 5 steps
 METHODS = (jd.DataParallel, jd.Zero2Parallel, jd.Zero3Parallel, jd.ShardParallel)
@@ -117,14 +117,6 @@ def pipeline_table():
 
 
 def time_table():
-  start = time.perf_counter()
-  profile = jd.calibrate(re_profile=True)
-  print(f"\ncalibrated in {time.perf_counter() - start:.1f} s: {profile.path}")
-  for name, measured, fitted in profile.points:
-    print(f"  reference {name:<14} measured {measured * 1e3:8.2f} ms, fitted "
-          f"{fitted * 1e3:8.2f} ms")
-  print(f"{'model':<5} {'method':<14} {'estimate ms':>11} {'measured ms':>11} {'ratio':>6}")
-  worst = 0.0
   pipeline = lambda: jd.PipeshardParallel(num_micro_batches=4,
                                           layer_option=jd.AutoLayerOption(layer_num=2),
                                           stage_option=jd.UniformStageOption(num_stages=2))
@@ -132,11 +124,25 @@ def time_table():
   for name, workload in (("mlp", mlp), ("gpt", gpt)):
     for make in (*METHODS, pipeline):
       step, state, batch, _ = workload(1)
-      est = jd.estimate(step, state, batch, method=make())
-      rows.append((name, est, jd.parallelize(step, method=make()), state, batch))
-  # Rounds over all rows, as jd.calibrate measures its references.
-  times = time_in_rounds([(f, state, batch) for _, _, f, state, batch in rows], ROUNDS)
-  for (name, est, *_), seconds in zip(rows, times):
+      rows.append((name, step, make, state, batch))
+  # The rows are timed in the same rounds as the calibration's reference steps (this
+  # machine's speed drifts by 10-20% over minutes: timed after the calibration, every row
+  # of one run came out 0.72-0.95x).
+  start = time.perf_counter()
+  profile, times = calibration.measure(
+      jax.devices(), rounds=ROUNDS,
+      alongside=[(jd.parallelize(step, method=make()), state, batch)
+                 for _, step, make, state, batch in rows])
+  calibration.store(profile)
+  print(f"\ncalibrated with the rows' timings in {time.perf_counter() - start:.1f} s: "
+        f"{profile.path}")
+  for name, measured, fitted in profile.points:
+    print(f"  reference {name:<14} measured {measured * 1e3:8.2f} ms, fitted "
+          f"{fitted * 1e3:8.2f} ms")
+  print(f"{'model':<5} {'method':<14} {'estimate ms':>11} {'measured ms':>11} {'ratio':>6}")
+  worst = 0.0
+  for (name, step, make, state, batch), seconds in zip(rows, times):
+    est = jd.estimate(step, state, batch, method=make())
     ratio = est.step_time_s / seconds
     worst = max(worst, abs(ratio - 1))
     print(f"{name:<5} {est.method:<14} {est.step_time_s * 1e3:11.2f} {seconds * 1e3:11.2f} "

@@ -133,6 +133,24 @@ def calibrate(devices=None, *, re_profile: bool = False, steps: int = 5,
     The profile (loaded, if one exists and ``re_profile`` is False).
   """
   import jax
+
+  devices = list(devices or jax.devices())
+  if not re_profile:
+    found = load(devices)
+    if found is not None:
+      return found
+  profile, _ = measure(devices, steps, rounds)
+  store(profile)
+  return profile
+
+
+def measure(devices, steps: int = 5, rounds: int = 3,
+            alongside=()) -> tuple[Profile, list[float]]:
+  """The profile of ``devices`` (not stored), and the median seconds of each
+  ``(step, *args)`` of ``alongside`` (``state, out = step(state, *args)``), timed in the
+  same rounds as the reference steps: a benchmark's rows measured so, a machine whose
+  speed drifts over minutes moves them and the fit alike."""
+  import jax
   import optax
 
   from jaxdist import methods as m
@@ -142,11 +160,6 @@ def calibrate(devices=None, *, re_profile: bool = False, steps: int = 5,
   from jaxdist.measure import time_in_rounds
   from jaxdist.mesh import LogicalMesh
 
-  devices = list(devices or jax.devices())
-  if not re_profile:
-    found = load(devices)
-    if found is not None:
-      return found
   n = len(devices)
   alpha, beta = _link_costs(devices, steps) if n > 1 else (None, None)
   fraction, cap = _sync_costs(devices, steps, alpha) if n > 1 else (None, None)
@@ -157,8 +170,8 @@ def calibrate(devices=None, *, re_profile: bool = False, steps: int = 5,
     references.append((name, est, parallelize(step, method=method), state, batch))
   # Rounds over all references: one reference measured through a slow spell (seconds
   # long on shared cores) would bend every coefficient of the fit.
-  times = time_in_rounds([(f, state, batch) for _, _, f, state, batch in references],
-                         rounds, steps)
+  times = time_in_rounds([(f, state, batch) for _, _, f, state, batch in references]
+                         + list(alongside), rounds, steps)
   rows, names = [], []
   for (name, est, *_), seconds in zip(references, times):
     communication = est.communication_s
@@ -187,8 +200,7 @@ def calibrate(devices=None, *, re_profile: bool = False, steps: int = 5,
       created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       jax_version=jax.__version__, path=str(profile_path(devices)), alpha_s=alpha,
       beta_s_per_byte=beta, sync_fraction=fraction, sync_cap_s=cap)
-  _store(profile)
-  return profile
+  return profile, times[len(references):]
 
 
 def _link_costs(devices, steps: int) -> tuple[float, float]:
@@ -262,7 +274,8 @@ def _chain_seconds(devices, body, x, steps: int) -> float:
   return time_steps(lambda y: (run(y), None), x, num_steps=steps, warmup=2)[2]
 
 
-def _store(profile: Profile) -> None:
+def store(profile: Profile) -> None:
+  """Writes ``profile`` to its path, where estimates on its devices find it."""
   path = Path(profile.path)
   data = dataclasses.asdict(profile)
   data.pop("path")

@@ -86,7 +86,7 @@ def test_a_profile_calibrates_compute_time(tmp_path, monkeypatch):
                                 points=(), created="now", jax_version=jax.__version__,
                                 path=str(calibration.profile_path(devices)), alpha_s=2e-4,
                                 beta_s_per_byte=1e-9)
-  calibration._store(profile)
+  calibration.store(profile)
   est = jd.estimate(step, state, batch, method=jd.DataParallel())
   assert est.compute_s == pytest.approx(1e-3 + est.flops * 1e-10 + est.bytes_accessed * 1e-9)
   assert any("calibrated by" in n for n in est.notes)
@@ -101,7 +101,7 @@ def test_a_profile_calibrates_compute_time(tmp_path, monkeypatch):
   assert given.communication_s == pytest.approx(5e-6 + 2 * (n - 1) / n * reduce["result_bytes"] * 1e-11)
   # The measured waits at collectives: a share of the compute, at most the cap per
   # collective (on the profile's links only).
-  calibration._store(dataclasses.replace(profile, sync_fraction=0.2, sync_cap_s=1e-4))
+  calibration.store(dataclasses.replace(profile, sync_fraction=0.2, sync_cap_s=1e-4))
   synced = jd.estimate(step, state, batch, method=jd.DataParallel())
   assert synced.communication_s == pytest.approx(links + min(0.2 * est.compute_s, 1e-4))
   assert any("waits at each collective" in note for note in synced.notes)

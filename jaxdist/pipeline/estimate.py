@@ -201,6 +201,11 @@ def _bubble_share(stages, platform: str) -> float:
   1.22x of their measured times, about what a bubble that costs nothing gives (5 slots
   against 4). At this share (0.5 there) the next run of ``bench/estimate.py`` gave 0.94x
   and 1.09x; at 2 and 8 micro-batches the ratios spread from 0.83x to 1.5x between runs.
+  Tried and not kept: the steady state too at each stage's rate running alone, the step
+  being all stages' work over the cores (``k · Σ c_s · n_s / n``: the cores never idle
+  while a stage that fills them runs). That is a lower bound here: with the stages timed
+  by their per-device programs it gave 176 and 571 ms against medians of about 210 and
+  620 ms over nine runs (173–244 and 542–810 ms), where this share gives 225 and 656 ms.
   """
   sizes = [st.num_devices for st in stages]
   n, cores = sum(sizes), _host_cores()
