@@ -18,9 +18,10 @@ temporaries, as for a ShardParallel step) plus what lives beside it while it run
 A stage's time per micro-batch is its backward program's estimate plus its forward's
 compute (the backward's compute scaled by the forward's share of the flops). A stage
 run per device (``per_device.py``) is timed from that program, the one that runs: its
-flops and bytes per device, no collective per micro-batch, and one all-reduce of its
-gradient accumulator per step (its shard plan, priced instead, put a 2-stage MLP's step
-at 0.57x of its measured time; the per-device program's figures, 1.0x). The step is
+flops and bytes per device, its loss outputs' all-reduces per micro-batch, and one
+all-reduce of its gradient accumulator per step (its shard plan, priced instead, put a
+2-stage MLP's step at 0.57x of its measured time; the per-device program's figures
+0.8x–1.3x over later runs, the spread of that step's own measurements). The step is
 ``Σ c + (micro-batches − 1) · max c`` (the formula the executable's objective uses; on
 simulated CPU devices the bubble ``Σ c − max c`` is cheaper, ``_bubble_share``) plus the
 optimizer's update after the last micro-batch (each stage's gradient reduction and
@@ -204,8 +205,9 @@ def _bubble_share(stages, platform: str) -> float:
   Tried and not kept: the steady state too at each stage's rate running alone, the step
   being all stages' work over the cores (``k · Σ c_s · n_s / n``: the cores never idle
   while a stage that fills them runs). That is a lower bound here: with the stages timed
-  by their per-device programs it gave 176 and 571 ms against medians of about 210 and
-  620 ms over nine runs (173–244 and 542–810 ms), where this share gives 225 and 656 ms.
+  by their per-device programs it gave 176 and 571 ms for an MLP and a GPT (2 stages
+  of 4, 4 micro-batches) measured at about 210 and 620 ms (171–259 and 542–810 ms over
+  the runs of one session), where this share gives 225 and 656 ms.
   """
   sizes = [st.num_devices for st in stages]
   n, cores = sum(sizes), _host_cores()
