@@ -124,15 +124,13 @@ def time_table():
   for name, workload in (("mlp", mlp), ("gpt", gpt)):
     for make in (*METHODS, pipeline):
       step, state, batch, _ = workload(1)
-      rows.append((name, step, make, state, batch))
+      rows.append((name, jd.parallelize(step, method=make()), state, batch))
   # The rows are timed in the same rounds as the calibration's reference steps (this
   # machine's speed drifts by 10-20% over minutes: timed after the calibration, every row
   # of one run came out 0.72-0.95x).
   start = time.perf_counter()
-  profile, times = calibration.measure(
-      jax.devices(), rounds=ROUNDS,
-      alongside=[(jd.parallelize(step, method=make()), state, batch)
-                 for _, step, make, state, batch in rows])
+  profile, times = calibration.measure(jax.devices(), rounds=ROUNDS,
+                                       alongside=[row[1:] for row in rows])
   calibration.store(profile)
   print(f"\ncalibrated with the rows' timings in {time.perf_counter() - start:.1f} s: "
         f"{profile.path}")
@@ -141,8 +139,8 @@ def time_table():
           f"{fitted * 1e3:8.2f} ms")
   print(f"{'model':<5} {'method':<14} {'estimate ms':>11} {'measured ms':>11} {'ratio':>6}")
   worst = 0.0
-  for (name, step, make, state, batch), seconds in zip(rows, times):
-    est = jd.estimate(step, state, batch, method=make())
+  for (name, f, state, batch), seconds in zip(rows, times):
+    est = jd.estimate(f, state, batch)  # the function measured, its plan reused
     ratio = est.step_time_s / seconds
     worst = max(worst, abs(ratio - 1))
     print(f"{name:<5} {est.method:<14} {est.step_time_s * 1e3:11.2f} {seconds * 1e3:11.2f} "
