@@ -649,8 +649,8 @@ def _shard_parallel(planned):
 def _early_copies(result, timeline: Timeline, marker) -> list[tuple[int, float, set]]:
   """The resharded copies of values no batch input reaches (``planner.hoisted_flows``:
   parameters, optimizer state) that XLA's schedule makes early, since they wait on
-  nothing the step computes, and keeps to their last reader: the gathered ones, and
-  those only the update after the gradient ``marker`` (if any) reads. One per value and
+  nothing the step computes, and keeps to their last reader: the gathered and the
+  sliced ones, and those only the update after the gradient ``marker`` (if any) reads. One per value and
   layout; per copy, that reader's position in ``timeline``, the copy's bytes per device
   and the graph nodes reading it.
 
@@ -659,15 +659,17 @@ def _early_copies(result, timeline: Timeline, marker) -> list[tuple[int, float, 
   before the forward's end; counted at their readers, a 4-block CNN's estimate was
   0.875x of XLA's bytes under ZeRO-2 and 0.79x under ZeRO-3. A 4-stage MLP's kernels
   moved by all-to-all for the backward's dots were made where they are read (counted
-  early, its stage programs' estimates went from 0.90-1.00x to 1.09-1.12x).
+  early, its stage programs' estimates went from 0.90-1.00x to 1.09-1.12x); its
+  replicated kernels sliced for the dots were all made at the program's start (counted
+  at their readers, 0.79x).
   """
   update = len(timeline.eqns) if marker is None else timeline.position[id(marker)]
   graph = result.mesh_plan.graph
   out = []
-  for b, gathered, flows in _resharded_copies(
+  for b, change, flows in _resharded_copies(
       result, lambda e: id(e) in timeline.position).values():
     read = [timeline.position[id(graph.nodes[f.dst].eqn)] for f in flows]
-    if gathered or min(read) > update:
+    if change or min(read) > update:
       out.append((max(read), b, {f.dst for f in flows}))
   return out
 
@@ -770,8 +772,8 @@ def _resharded_copies(result, in_program) -> dict:
   equations where ``in_program(eqn)``) that a reader wants in another layout than the
   plan gives them: one per value and layout, however many read it, as (source node, its
   output, layout) → (bytes per device as the backend holds them (XLA:CPU: 16-bit floats
-  as f32, as the collectives move them), whether it gathers: fewer shards than the
-  source's, the flows reading it)."""
+  as f32, as the collectives move them), 1 where it gathers (fewer shards than the
+  source's), -1 where it slices (more), 0 where it moves, the flows reading it)."""
   from jaxdist.shard.planner import hoisted_flows
   plan = result.mesh_plan
   graph, choice = plan.graph, plan.solution.choice
@@ -785,7 +787,8 @@ def _resharded_copies(result, in_program) -> dict:
       copies.setdefault((flow.src, flow.pos, want), (
           plan.cost_model.combining.collective_bytes(
               flow.full_bytes / num_shards(want, sizes), flow.dtype),
-          num_shards(want, sizes) < num_shards(have, sizes), []))[2].append(flow)
+          (num_shards(have, sizes) > num_shards(want, sizes))
+          - (num_shards(have, sizes) < num_shards(want, sizes)), []))[2].append(flow)
   return copies
 
 
