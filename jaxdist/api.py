@@ -509,9 +509,11 @@ class ParallelizedFunc:
     # The step at 1/divisor of the batch, inlined as the shard plan's equations are (the
     # planner's micro-batch trace is the layout's too when the batch is not split).
     inline = jaxpr_util.PLAN_INLINE if isinstance(method, m.ShardParallel) else ()
+    # (the planner ties recomputations in loops where the step compiles them unrolled)
+    tie = isinstance(method, m.ShardParallel) and (method.num_micro_batches or 1) > 1
     traced = step
-    retrace = functools.cache(
-        lambda divisor: with_micro_batch_trace(self.fun, args, static, traced, divisor, inline))
+    retrace = functools.cache(lambda divisor: with_micro_batch_trace(
+        self.fun, args, static, traced, divisor, inline, tie))
     if isinstance(method, m.ShardParallel):
       shard_plan = plan_shard_parallel(method, step, lmesh,
                                        micro_trace=lambda d: retrace(d).micro_jaxpr)

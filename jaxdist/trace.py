@@ -308,17 +308,22 @@ def _trace_flat(fun, args, dyn_argnums, in_tree, flat_args):
 
 
 def with_micro_batch_trace(fun, args, static_argnums: tuple[int, ...], step: TracedStep,
-                           divisor: int, inline: tuple[str, ...] = ()) -> TracedStep:
+                           divisor: int, inline: tuple[str, ...] = (),
+                           tie_in_loops: bool = False) -> TracedStep:
   """``step`` plus the trace of ``fun`` on batch leaves of dim 0 / ``divisor``.
 
   ``inline``: call primitives to inline in the micro-batch trace, so that its equations
-  line up with a step whose jaxpr was inlined the same way (the shard planner's).
+  line up with a step whose jaxpr was inlined the same way (the shard planner's);
+  ``tie_in_loops``: its recomputations in loops tied too, as that step's were
+  (``recompute.tie_recomputations``).
   """
   dyn_argnums = tuple(i for i in range(len(args)) if i not in static_argnums)
   leaves = tree_util.tree_leaves(tuple(args[i] for i in dyn_argnums))
   flat = [jax.ShapeDtypeStruct((info.shape[0] // divisor,) + info.shape[1:], info.dtype)
           if info.role == BATCH else x for x, info in zip(leaves, step.inputs)]
   closed, _, _, marker_index, _ = _trace_flat(fun, args, dyn_argnums, step.in_tree, flat)
+  if tie_in_loops:
+    closed = tie_recomputations(closed, in_loops=True)
   if inline:
     closed, marker_index = inline_keeping_marker(closed, inline)
   return dataclasses.replace(step, micro_jaxpr=closed, micro_marker_index=marker_index)

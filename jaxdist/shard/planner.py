@@ -36,6 +36,7 @@ from jaxdist.coupling import batch_coupling, token_weighted
 from jaxdist.layouts import Layout, check_batch_divisible, uses_marker
 from jaxdist.liveness import Timeline
 from jaxdist.mesh import LogicalMesh
+from jaxdist.recompute import tie_recomputations
 from jaxdist.shard import cache, combine
 from jaxdist.shard.cost import CostModel, combining_for
 from jaxdist.shard.graph import REARRANGING, StrategyGraph, build_graph
@@ -180,8 +181,11 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
   # Calls are inlined; jaxdist.grad's marker stays (the strategy graph sees through it)
   # so that gradient accumulation can split the planned step there.
   long_scans = long_scans and k == 1
+  # With micro-batches the step compiles with its scans unrolled (below): a recomputation
+  # in a scan body must then wait for its cotangent as one at the top level does.
   rolled_jaxpr, inlined, origins, weights = jaxpr_util.rolled_and_unrolled(
-      step.closed_jaxpr, long_scans)
+      step.closed_jaxpr if k == 1 else tie_recomputations(step.closed_jaxpr, in_loops=True),
+      long_scans)
   loops = _control_flow(rolled_jaxpr, long_scans)
   stand_ins = long_scans and any(kind not in ("short", "cond") for kind in loops)
   weights = weights if stand_ins else None
