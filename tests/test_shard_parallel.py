@@ -613,17 +613,14 @@ def test_scanned_remat_layers_recompute_with_micro_batches():
   right after the forward pass: this GPT compiled to 15.9 MB per device with 2
   micro-batches against 8.0 MB with one, the estimate 0.83x of it; tied, 12.2 MB."""
   step, state, batch = _scan_gpt_step(depth=4)
-  sizes = {}
-  for k in (1, 2):
-    f = jd.parallelize(step, method=jd.ShardParallel(logical_mesh_shape=(8,),
-                                                     num_micro_batches=k))
-    sizes[k] = f.get_executable(state, batch).get_total_allocation_size()
+  f = jd.parallelize(step, method=jd.ShardParallel(logical_mesh_shape=(8,), num_micro_batches=2))
+  size = f.get_executable(state, batch).get_total_allocation_size()
   est = jd.estimate(f, state, batch)
-  assert abs(est.memory_per_device / sizes[2] - 1) < 0.10, est.summary()
-  # Beyond one pass over the whole batch: the gradient accumulator and the loop's own
-  # buffers (tied: 1.23 accumulators more; untied 2.3, every layer's activations held).
-  accumulator = sum(x.nbytes for x in jax.tree.leaves(state.params))
-  assert sizes[2] < sizes[1] + 1.5 * accumulator, (sizes, accumulator)
+  assert abs(est.memory_per_device / size - 1) < 0.10, est.summary()
+  # Beyond the parameters, their momentum and the gradient accumulator: tied, 1.9 MB;
+  # untied 5.6, every layer's activations held.
+  held = 3 * sum(x.nbytes for x in jax.tree.leaves(state.params))
+  assert size < held + 3e6, (size, held)
   assert_trees_close(f(state, batch), jax.jit(step)(state, batch), rtol=1e-4, atol=1e-5)
 
 
