@@ -128,9 +128,14 @@ def test_calibration_measures_the_program_the_estimate_models():
   # gradient reduction, as the estimate models it (XLA's own partitioning of a plain
   # jax.value_and_grad step reads each reduced weight gradient transposed: 1.9x slower
   # on CPU at the same flops and bytes).
+  # One of each kind (the others differ in sizes only).
+  checked = []
   for name, (step, state, batch) in calibration._reference_steps(8, models, optax):
-    planned = jd.parallelize(step, method=jd.DataParallel()).planned(state, batch)
-    assert planned.layout.grad_reduce_specs is not None, name
+    if name in ("mlp-512x8", "gpt-128x2"):
+      planned = jd.parallelize(step, method=jd.DataParallel()).planned(state, batch)
+      assert planned.layout.grad_reduce_specs is not None, name
+      checked.append(name)
+  assert len(checked) == 2, checked
 
 
 def test_a_micro_batched_shard_plan_on_2x4_is_estimated_and_predicted():

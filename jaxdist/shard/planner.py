@@ -133,6 +133,7 @@ class ShardPlanResult:
   mesh_objectives: dict[str, float]
   predicted_collectives: dict[str, dict[str, float]]
   solve: Callable[[], MeshPlan]
+  tied_loops: bool = False  # planned with the recomputations in scan bodies tied
 
   @functools.cached_property
   def mesh_plan(self) -> MeshPlan:
@@ -141,7 +142,8 @@ class ShardPlanResult:
 
 
 def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: LogicalMesh,
-                        long_scans: bool = True, micro_trace=None) -> ShardPlanResult:
+                        long_scans: bool = True, micro_trace=None,
+                        tie_loops: bool = False) -> ShardPlanResult:
   """Searches the mesh shapes (or applies a saved plan) and returns the cheapest plan.
 
   ``long_scans``: plan scans longer than ``jaxpr_util.MAX_UNROLLED_SCAN`` and while
@@ -149,7 +151,10 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
   else leave them to XLA. ``micro_trace(divisor)``: the step's jaxpr traced at
   1/divisor of the batch, inlined with ``jaxpr_util.PLAN_INLINE``; with
   ``num_micro_batches`` > 1 the ILP prices the micro-batch loop from it
-  (``jaxdist.shard.micro``), without it the whole-batch step.
+  (``jaxdist.shard.micro``), without it the whole-batch step. ``tie_loops``: plan with
+  the recomputations in scan bodies tied to their cotangents (as they must be where the
+  step compiles its scans unrolled: always with micro-batches, else when the scan's
+  iterations got different plans).
   """
   given_step = step
   opt = method.options
@@ -183,9 +188,11 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
   long_scans = long_scans and k == 1
   # With micro-batches the step compiles with its scans unrolled (below): a recomputation
   # in a scan body must then wait for its cotangent as one at the top level does.
+  tie_loops = tie_loops or k > 1
+  tied = tie_recomputations(step.closed_jaxpr, in_loops=True)
+  recomputes_in_loops = tied is not step.closed_jaxpr
   rolled_jaxpr, inlined, origins, weights = jaxpr_util.rolled_and_unrolled(
-      step.closed_jaxpr if k == 1 else tie_recomputations(step.closed_jaxpr, in_loops=True),
-      long_scans)
+      tied if tie_loops else step.closed_jaxpr, long_scans)
   loops = _control_flow(rolled_jaxpr, long_scans)
   stand_ins = long_scans and any(kind not in ("short", "cond") for kind in loops)
   weights = weights if stand_ins else None
@@ -211,8 +218,10 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
   # else what the processes solve (each solve agreed on in _plan_one).
   hit = agree.process_zeros(cache.load_result(digest) if opt.plan_cache else None)
   if hit is not None:
-    if hit["long_scans"] != long_scans:  # planned again without stand-ins (see below)
-      inner = plan_shard_parallel(method, given_step, base, long_scans=False)
+    if hit["long_scans"] != long_scans or hit.get("tied", tie_loops) != tie_loops:
+      # planned again without stand-ins or with recomputations tied (see below)
+      inner = plan_shard_parallel(method, given_step, base, hit["long_scans"], micro_trace,
+                                  hit.get("tied", tie_loops))
       return dataclasses.replace(inner, layout=dataclasses.replace(
           inner.layout, notes=tuple(hit["layout"].get("notes", inner.layout.notes))))
     lmesh = mesh_for(tuple(hit["shape"]), base, names)
@@ -226,7 +235,7 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
       return ShardPlanResult(step, layout, hit["objective"], hit["mesh_objectives"],
                              hit["predicted_collectives"], lambda: _plan_one(
                                  step, lmesh, opt, pinned, k, regions, weights, pairs, text,
-                                 loop))
+                                 loop), tie_loops)
   mirrored = _mirrored_shapes(shapes, base, opt, pinned) if why is None else {}
   plans, objectives, infeasible = [], {}, []
   with progress.bar(len(shapes) - len(mirrored), "ShardParallel: planning") as shown:
@@ -292,6 +301,15 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
             f"and the while loops were planned again as XLA places them",)))
     _store_result(opt, digest, plans, result, False)
     return result
+  if isinstance(rolled, str) and recomputes_in_loops and not tie_loops:
+    result = plan_shard_parallel(method, given_step, base, long_scans, micro_trace, True)
+    result = dataclasses.replace(result, layout=dataclasses.replace(
+        result.layout, notes=result.layout.notes + (
+            "the step was planned again with the recomputations in scan bodies tied to "
+            "their cotangents: compiled unrolled, XLA would run them right after the "
+            "forward pass",)))
+    _store_result(opt, digest, plans, result, long_scans)
+    return result
   if isinstance(rolled, str):  # compiled unrolled: collectives combine across iterations
     notes.append(rolled)
     for node in best.graph.nodes:
@@ -306,7 +324,7 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
                  "each unrolled scan got the same plan)")
   layout = dataclasses.replace(layout, notes=layout.notes + tuple(notes))
   result = ShardPlanResult(step, layout, best.solution.objective, objectives, predicted,
-                           lambda: best)
+                           lambda: best, tie_loops)
   _store_result(opt, digest, plans, result, long_scans)
   return result
 
@@ -345,6 +363,7 @@ def _store_result(opt, digest: str, plans: list[MeshPlan], result: ShardPlanResu
   layout = result.layout
   cache.store_result(digest, {
       "shape": list(layout.logical_mesh.shape), "long_scans": long_scans,
+      "tied": result.tied_loops,
       "rolled": layout.rolled is not None, "objective": result.objective,
       "mesh_objectives": result.mesh_objectives,
       "predicted_collectives": result.predicted_collectives,
