@@ -661,9 +661,9 @@ def _early_copies(result, timeline: Timeline, marker) -> list[tuple[int, float, 
   """The resharded copies of values no batch input reaches (``planner.hoisted_flows``:
   parameters, optimizer state) that XLA's schedule makes early, since they wait on
   nothing the step computes, and keeps to their last reader: the gathered and the
-  sliced ones, and those only the update after the gradient ``marker`` (if any) reads. One per value and
-  layout; per copy, that reader's position in ``timeline``, the copy's bytes per device
-  and the graph nodes reading it.
+  sliced ones, and those only the update after the gradient ``marker`` (if any) reads.
+  One per value and layout; per copy, that reader's position in ``timeline``, the copy's
+  bytes per device and the graph nodes reading it.
 
   Measured on BatchNorm CNNs under ZeRO (planned as one program): the Adam moments'
   all-gathers for the update and ZeRO-3's parameter all-gathers for the backward came

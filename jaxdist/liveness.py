@@ -133,8 +133,8 @@ class Timeline:
     producer = {o: eqn.primitive.name for eqn, _, outs in self.eqns for o in outs}
     for i, (eqn, ins, outs) in enumerate(self.eqns):
       # A weight gradient's dot result that only a transpose reads, the transposed
-      # result read only by the gradient marker (the layout reduces it itself) or adds: XLA's
-      # layout assignment writes the dot's result transposed, one buffer. Measured on a
+      # result read only by the gradient marker (the layout reduces it itself) or adds:
+      # XLA's layout assignment writes the dot's result transposed, one buffer. Measured on a
       # 4-layer MLP under ZeRO-3, whose gradients go straight to their reduce-scatters:
       # 0.87 MB compiled, 1.09 MB estimated counting both. Added into an accumulator
       # instead, the transposed read fuses into the add and the dot's result stays:
@@ -558,7 +558,7 @@ def _input_gradients_first(eqns: list) -> list:
         "transpose", "convert_element_type") or _accumulates(eqns[users[0]], made)):
       chain.append(users[0])
       users = readers.get(eqns[users[0]][2][0], [])
-    if (eqns[chain[-1]][0].primitive.name not in ("add", "add_any") and not users
+    if ((eqns[chain[-1]][0].primitive.name not in ("add", "add_any") and not users)
         or any(eqns[j][0].primitive.name not in jaxpr_util.MARKERS for j in users)):
       continue
     later = [j for v in ins for j in readers.get(v, ())

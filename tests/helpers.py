@@ -134,3 +134,23 @@ def budgeted_gpt(vocab: int, width: int, fraction: float):
       devices=mesh, num_micro_batches=4, auto_sharding_option=jd.AutoShardingOption(
           memory_budget_per_device=budget, plan_cache=False)))
   return step, state, batch, f, budget
+
+
+class _ResidualLayer(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    return x + nn.Dense(128)(nn.relu(nn.Dense(512)(nn.LayerNorm()(x)))), None
+
+
+class ScannedMLP(nn.Module):
+  """Six residual layers (width 128, hidden 512) stacked by ``nn.scan``, optionally
+  under ``nn.remat``."""
+
+  remat: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    layer = nn.remat(_ResidualLayer) if self.remat else _ResidualLayer
+    x, _ = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
+                   length=6)()(nn.Dense(128)(x), None)
+    return nn.Dense(10)(x)

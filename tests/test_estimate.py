@@ -19,7 +19,7 @@ from flax.training import train_state
 
 import jaxdist as jd
 from jaxdist import calibration, cli, errors, models
-from helpers import budgeted_gpt, dropout_net, make_step_script
+from helpers import ScannedMLP, budgeted_gpt, dropout_net, make_step_script
 
 TOLERANCE = {"DataParallel": 0.02, "Zero2Parallel": 0.20, "Zero3Parallel": 0.20,
              "ShardParallel": 0.20}
@@ -199,26 +199,13 @@ def test_a_scan_unrolled_in_a_micro_batch_loop_does_not_stack_its_residuals():
   assert abs(est.memory_per_device / est.compiled["total"] - 1) <= 0.10, est.summary()
 
 
-class _ResidualLayer(nn.Module):
-  @nn.compact
-  def __call__(self, x, _):
-    return x + nn.Dense(128)(nn.relu(nn.Dense(512)(nn.LayerNorm()(x)))), None
-
-
 def test_zero3_micro_batches_gather_a_scan_s_stacked_kernels_and_copy_one():
   """ZeRO-3 with micro-batches gathers each stacked kernel of an nn.scan (split on a dim
   other than the layers') inside the loop with that dim leading, and XLA:CPU copies it
   back for the scan while the gather is alive: without that copy the estimate was 0.87x
   of XLA's bytes."""
-  class ScanMLP(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      x, _ = nn.scan(_ResidualLayer, variable_axes={"params": 0}, split_rngs={"params": True},
-                     length=6)()(nn.Dense(128)(x), None)
-      return nn.Dense(10)(x)
-
   data = models.regression_batch(64, 64, out=10)
-  state = models.create_state(ScanMLP(), data["x"], tx=optax.adamw(1e-3))
+  state = models.create_state(ScannedMLP(), data["x"], tx=optax.adamw(1e-3))
   est = jd.estimate(models.regression_step(jd.value_and_grad), state, data, compile=True,
                     method=jd.Zero3Parallel(num_micro_batches=2))
   assert abs(est.memory_per_device / est.compiled["total"] - 1) <= 0.05, est.summary()

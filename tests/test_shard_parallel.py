@@ -22,7 +22,7 @@ from jaxdist.shard.graph import Node, StrategyGraph
 from jaxdist.shard.solver import (MemoryConstraint, fold_free_leaves, objective_of,
                                   solve_brute_force, solve_ilp)
 from jaxdist.shard.strategies import Strategy
-from helpers import assert_trees_close, budgeted_gpt, to_host
+from helpers import ScannedMLP, assert_trees_close, budgeted_gpt, to_host
 
 
 def _random_graph(rng, num_groups, max_choices, num_edges):
@@ -801,30 +801,15 @@ def test_flax_recurrent_layers_are_planned_on_tied_stand_ins():
   assert_trees_close(f(params, batch), expected, rtol=1e-5, atol=1e-6)
 
 
-
-class _ResidualLayer(nn.Module):
-  @nn.compact
-  def __call__(self, x, _):
-    return x + nn.Dense(128)(nn.relu(nn.Dense(512)(nn.LayerNorm()(x)))), None
-
-
-class _ScannedRematMLP(nn.Module):
-  @nn.compact
-  def __call__(self, x):
-    x = nn.Dense(128)(x)
-    x, _ = nn.scan(nn.remat(_ResidualLayer), variable_axes={"params": 0},
-                   split_rngs={"params": True}, length=6)()(x, None)
-    return nn.Dense(10)(x)
-
-
 def test_a_scan_compiled_unrolled_is_planned_with_its_recomputations_tied():
   """With one micro-batch a scan whose iterations got different plans compiles unrolled,
   where XLA ran each remat layer's recomputation right after the forward pass (this MLP
-  on (2, 4): 2.73 MB per device, estimated 0.74x): the step is planned again with them
-  tied (2.05 MB, estimated 0.98x). Without repeats shared the iterations are planned
+  with AdamW on (2, 4): 2.73 MB per device, estimated 0.74x): the step is planned again
+  with them tied (2.05 MB, estimated 0.98x). Without repeats shared the iterations are planned
   apart; the ILP may still give them one plan (then the scan compiles as a loop)."""
   data = models.regression_batch(64, 64, out=10)
-  state = models.create_state(_ScannedRematMLP(), data["x"], tx=optax.sgd(0.1, momentum=0.9))
+  state = models.create_state(ScannedMLP(remat=True), data["x"],
+                              tx=optax.sgd(0.1, momentum=0.9))
   step = models.regression_step(jd.value_and_grad)
   f = jd.parallelize(step, method=jd.ShardParallel(
       logical_mesh_shape=(2, 4), auto_sharding_option=jd.AutoShardingOption(

@@ -189,10 +189,9 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
   # With micro-batches the step compiles with its scans unrolled (below): a recomputation
   # in a scan body must then wait for its cotangent as one at the top level does.
   tie_loops = tie_loops or k > 1
-  tied = tie_recomputations(step.closed_jaxpr, in_loops=True)
-  recomputes_in_loops = tied is not step.closed_jaxpr
   rolled_jaxpr, inlined, origins, weights = jaxpr_util.rolled_and_unrolled(
-      tied if tie_loops else step.closed_jaxpr, long_scans)
+      tie_recomputations(step.closed_jaxpr, in_loops=True) if tie_loops
+      else step.closed_jaxpr, long_scans)
   loops = _control_flow(rolled_jaxpr, long_scans)
   stand_ins = long_scans and any(kind not in ("short", "cond") for kind in loops)
   weights = weights if stand_ins else None
@@ -301,7 +300,8 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
             f"and the while loops were planned again as XLA places them",)))
     _store_result(opt, digest, plans, result, False)
     return result
-  if isinstance(rolled, str) and recomputes_in_loops and not tie_loops:
+  if (isinstance(rolled, str) and not tie_loops and tie_recomputations(
+      given_step.closed_jaxpr, in_loops=True) is not given_step.closed_jaxpr):
     result = plan_shard_parallel(method, given_step, base, long_scans, micro_trace, True)
     result = dataclasses.replace(result, layout=dataclasses.replace(
         result.layout, notes=result.layout.notes + (
