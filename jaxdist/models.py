@@ -211,8 +211,11 @@ class MoELM(nn.Module):
 
 
 def create_state(model: nn.Module, sample, tx=None, seed: int = 0) -> train_state.TrainState:
-  """A flax TrainState with ``model``'s parameters initialized on ``sample``."""
-  params = model.init(jax.random.key(seed), sample)
+  """A flax TrainState with ``model``'s parameters initialized on ``sample``.
+
+  The initialization runs jitted: op by op, a small GPT's took 6.5 s on CPU, mostly
+  dispatching and compiling each operation (1.7-2.4 s jitted, one compile)."""
+  params = jax.jit(model.init)(jax.random.key(seed), sample)
   return train_state.TrainState.create(apply_fn=model.apply, params=params,
                                        tx=tx if tx is not None else optax.adam(1e-3))
 

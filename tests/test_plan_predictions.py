@@ -480,6 +480,11 @@ def test_a_second_plan_of_the_same_step_comes_from_the_disk_cache(tmp_path, monk
   jd.parallelize(step, method=jd.ShardParallel(devices=_mesh((2, 4), UNIT))).get_executable(
       state, data)
   assert len(solves) == 2
+  # So is other code (an upgrade of jaxdist): its plans are not reused.
+  from jaxdist.shard import cache
+  monkeypatch.setattr(cache, "source_digest", lambda: "another version")
+  jd.parallelize(step, method=method).get_executable(state, data)
+  assert len(solves) == 3
 
 
 def test_a_cached_plan_with_micro_batches_is_estimated_without_tracing_a_micro_batch(

@@ -11,8 +11,9 @@ Two kinds of entries, one small JSON file each:
 
 The key hashes everything a plan depends on: the jaxpr's text, the input shapes, dtypes
 and roles, the mesh (shape, axis names, α, β, peak flops, device kind), the planner
-options, pinned inputs, the number of micro-batches, and :data:`VERSION` (bumped
-whenever the cost model changes what a solve returns).
+options, pinned inputs, the number of micro-batches, :data:`VERSION` (bumped when an
+entry's format changes) and a digest of jaxdist's own source, so that a plan made by
+other code (an upgrade, or a change while developing) is never reused.
 
 Location: ``$JAXDIST_CACHE_DIR/plans`` (default ``~/.cache/jaxdist/plans``).
 ``AutoShardingOption(plan_cache=False)`` turns it off.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import functools
 import os
 from pathlib import Path
 
@@ -39,9 +41,19 @@ def directory() -> Path:
   return cache_dir.root() / "plans"
 
 
+@functools.cache
+def source_digest() -> str:
+  """A digest of every module of the jaxdist package (read once per process)."""
+  package = Path(__file__).resolve().parent.parent
+  digest = hashlib.sha256()
+  for path in sorted(package.rglob("*.py")):
+    digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes())
+  return digest.hexdigest()
+
+
 def key(*parts) -> str:
   """A hex digest of ``parts`` (their ``repr``s; jaxprs print deterministically)."""
-  digest = hashlib.sha256(f"jaxdist-plan-cache-v{VERSION}".encode())
+  digest = hashlib.sha256(f"jaxdist-plan-cache-v{VERSION}-{source_digest()}".encode())
   for part in parts:
     digest.update(b"\0" + repr(part).encode())
   return digest.hexdigest()
