@@ -540,26 +540,25 @@ def _input_gradients_first(eqns: list) -> list:
   after the next dot reading the same cotangent, the layer's input gradient: XLA runs that one
   first (the backward's next layer waits on it), so the layer's weights, or their bf16
   cast, die before its weight gradient is made. Only weight gradients the marker
-  returns (``jaxdist.grad``'s) move, or that are added into accumulators (a pipeline
-  stage's backward; the add moves with them). Measured on a bf16-compute MLP under
-  ZeRO-3: in program order its estimate was 1.12x of XLA's bytes (a cast kernel too many
-  at the peak), in XLA's order 1.0x; a 4-stage MLP's first stage 1.16x, then 1.0x."""
+  returns (``jaxdist.grad``'s) move. Measured on a bf16-compute MLP under ZeRO-3: in
+  program order its estimate was 1.12x of XLA's bytes (a cast kernel too many at the
+  peak), in XLA's order 1.0x. (Moving the gradients added into a pipeline stage's
+  accumulators too took one 4-stage MLP plan's first stage from 1.16x to 1.0x, but the
+  example GPT's 4 stages from 1.06-1.10x to 1.13-1.15x: XLA does not order those alike.)"""
   readers: dict = {}
   for i, (_, ins, _) in enumerate(eqns):
     for v in ins:
       readers.setdefault(v, []).append(i)
-  made = {o for _, _, outs in eqns for o in outs}
   moved: dict = {}  # position of the input gradient's dot → the weight gradient's chain
   for i, (eqn, ins, outs) in enumerate(eqns):
     if eqn.primitive.name != "dot_general" or len(outs) != 1:
       continue
     chain, users = [i], readers.get(outs[0], [])
-    while len(users) == 1 and (eqns[users[0]][0].primitive.name in (
-        "transpose", "convert_element_type") or _accumulates(eqns[users[0]], made)):
+    while len(users) == 1 and eqns[users[0]][0].primitive.name in (
+        "transpose", "convert_element_type"):
       chain.append(users[0])
       users = readers.get(eqns[users[0]][2][0], [])
-    if ((eqns[chain[-1]][0].primitive.name not in ("add", "add_any") and not users)
-        or any(eqns[j][0].primitive.name not in jaxpr_util.MARKERS for j in users)):
+    if not users or any(eqns[j][0].primitive.name not in jaxpr_util.MARKERS for j in users):
       continue
     later = [j for v in ins for j in readers.get(v, ())
              if j > i and j not in chain and eqns[j][0].primitive.name == "dot_general"
@@ -575,14 +574,6 @@ def _input_gradients_first(eqns: list) -> list:
       out.append(entry)
     out.extend(eqns[j] for j in moved.get(i, ()))
   return out
-
-
-def _accumulates(entry, made) -> bool:
-  """Whether ``entry`` (equation, operands, results) adds a value into an input, an
-  accumulator (one operand not ``made`` in the program)."""
-  eqn, ins, _ = entry
-  return (eqn.primitive.name in ("add", "add_any") and len(ins) == 2
-          and any(not isinstance(v, jex.Literal) and v not in made for v in ins))
 
 
 def _static(eqns, constvars) -> set:
