@@ -21,10 +21,10 @@ Location: ``$JAXDIST_CACHE_DIR/plans`` (default ``~/.cache/jaxdist/plans``).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
-import functools
 import os
 from pathlib import Path
 
