@@ -76,8 +76,8 @@ def store(digest: str, solution: Solution) -> None:
                   "status": solution.status})
 
 
-RESULT_FIELDS = frozenset({"shape", "long_scans", "rolled", "objective", "mesh_objectives",
-                           "predicted_collectives", "layout"})
+RESULT_FIELDS = frozenset({"shape", "long_scans", "tied", "rolled", "objective",
+                           "mesh_objectives", "predicted_collectives", "layout"})
 
 
 def load_result(digest: str) -> dict | None:
@@ -85,7 +85,8 @@ def load_result(digest: str) -> dict | None:
   or lacking a field)."""
   data = _read(digest)
   if (not isinstance(data, dict) or not RESULT_FIELDS <= data.keys()
-      or not isinstance(data["layout"], dict) or not isinstance(data["long_scans"], bool)):
+      or not isinstance(data["layout"], dict)
+      or not all(isinstance(data[f], bool) for f in ("long_scans", "tied"))):
     return None
   return data
 

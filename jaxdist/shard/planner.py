@@ -217,10 +217,10 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
   # else what the processes solve (each solve agreed on in _plan_one).
   hit = agree.process_zeros(cache.load_result(digest) if opt.plan_cache else None)
   if hit is not None:
-    if hit["long_scans"] != long_scans or hit.get("tied", tie_loops) != tie_loops:
+    if hit["long_scans"] != long_scans or hit["tied"] != tie_loops:
       # planned again without stand-ins or with recomputations tied (see below)
       inner = plan_shard_parallel(method, given_step, base, hit["long_scans"], micro_trace,
-                                  hit.get("tied", tie_loops))
+                                  hit["tied"])
       return dataclasses.replace(inner, layout=dataclasses.replace(
           inner.layout, notes=tuple(hit["layout"].get("notes", inner.layout.notes))))
     lmesh = mesh_for(tuple(hit["shape"]), base, names)
