@@ -804,9 +804,10 @@ def test_flax_recurrent_layers_are_planned_on_tied_stand_ins():
 def test_a_scan_compiled_unrolled_is_planned_with_its_recomputations_tied():
   """With one micro-batch a scan whose iterations got different plans compiles unrolled,
   where XLA ran each remat layer's recomputation right after the forward pass (this MLP
-  with AdamW on (2, 4): 2.73 MB per device, estimated 0.74x): the step is planned again
-  with them tied (2.05 MB, estimated 0.98x). Without repeats shared the iterations are planned
-  apart; the ILP may still give them one plan (then the scan compiles as a loop)."""
+  on (2, 4), with AdamW: 2.73 MB per device, estimated 0.74x): the step is planned again
+  with them tied (2.05 MB, estimated 0.98x); here with SGD and momentum. Without repeats
+  shared the iterations are planned apart; the ILP may still give them one plan (then the
+  scan compiles as a loop)."""
   data = models.regression_batch(64, 64, out=10)
   state = models.create_state(ScannedMLP(remat=True), data["x"],
                               tx=optax.sgd(0.1, momentum=0.9))
