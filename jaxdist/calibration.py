@@ -24,14 +24,16 @@ bytes``). Estimates on a mesh at its device kind's default costs use them for th
 communication time (on 8 simulated CPU devices α is ~0.2 ms and β ~1 ns/byte, where the
 CPU defaults, a stand-in for a fast link, say 0.1 µs and 0.01 ns/byte).
 
-A profile also measures what the devices lose waiting for each other at a collective:
-chains of matrix products on every device, with and without a 4-byte all-reduce after
-each, at two sizes. Beyond α, each all-reduce then cost a share of the compute since the
-previous one, up to a cap: on 8 simulated CPU devices sharing 2 cores, 0.37 ms after
-1.5 ms of compute and 1.8 ms after 10.7 ms. A plan with many collectives between short
-computations (ZeRO-2's 141 per step on a GPT) loses that at each one; estimates on the
-profile's devices add ``min(sync_fraction · compute, collectives · sync_cap_s)`` to the
-communication time (the compute spread evenly between the collectives).
+A profile also measures what the devices lose waiting for each other at collectives.
+Four of the reference models also run under Zero2Parallel, each timed in the same
+rounds as its DataParallel run: beyond the fitted change in compute and the links' α/β
+time, ZeRO-2's extra time over its compute is the share of the compute a step loses at
+its collectives (the median over models and rounds; estimates add
+``min(sync_fraction · compute, collectives · sync_cap_s)`` to the communication time). The
+cap, what one collective costs at most, comes from chains of 512-wide matrix products
+on every device with and without a 4-byte all-reduce after each. The share used to come
+from such chains too, timed one after the other: one profile said 0.04 where ZeRO's own
+steps lost 0.2-0.5 of their compute (a GPT's ZeRO-3 step was estimated at 0.75x).
 
 Profiles live under ``$JAXDIST_CACHE_DIR/profiles`` (default ``~/.cache/jaxdist``), one
 JSON file per platform, device kind and device count, like nnScaler's ``profile_dir``;
@@ -51,7 +53,9 @@ import numpy as np
 
 from jaxdist import cache_dir
 
-VERSION = 4  # 3: reference steps with jaxdist.value_and_grad; 4: sync costs
+VERSION = 5  # 3: reference steps with jaxdist.value_and_grad; 4: sync costs; 5: sync share fitted
+# The references also run under Zero2Parallel (their many collectives give the sync share).
+SYNC_REFERENCES = ("mlp-256x16", "mlp-512x8", "gpt-128x2", "gpt-256x2")
 log = logging.getLogger("jaxdist.estimate")
 
 
@@ -157,53 +161,95 @@ def measure(devices, steps: int = 5, rounds: int = 3,
   from jaxdist import models
   from jaxdist.api import parallelize
   from jaxdist.estimate import communication_seconds, estimate
-  from jaxdist.measure import time_in_rounds
+  from jaxdist.measure import round_times
   from jaxdist.mesh import LogicalMesh
 
   n = len(devices)
-  alpha, beta = _link_costs(devices, steps) if n > 1 else (None, None)
-  fraction, cap = _sync_costs(devices, steps, alpha) if n > 1 else (None, None)
+  alpha, beta = _link_costs(devices, steps, rounds) if n > 1 else (None, None)
+  cap = _sync_cap(devices, steps, rounds, alpha) if n > 1 else None
+  links = LogicalMesh((n,), alpha=alpha, beta=beta, devices=tuple(devices)) if n > 1 else None
   references = []
   for name, (step, state, batch) in _reference_steps(n, models, optax):
-    method = m.DataParallel(devices=devices)
-    est = estimate(step, state, batch, method=method, calibrated=False)
-    references.append((name, est, parallelize(step, method=method), state, batch))
+    kinds = [m.DataParallel] + ([m.Zero2Parallel] if n > 1 and name in SYNC_REFERENCES else [])
+    for kind in kinds:
+      method = kind(devices=devices)
+      est = estimate(step, state, batch, method=method, calibrated=False)
+      communication = est.communication_s if links is None else communication_seconds(
+          est.collectives, links)
+      references.append((name, est, communication, parallelize(step, method=method), state,
+                         batch))
   # Rounds over all references: one reference measured through a slow spell (seconds
-  # long on shared cores) would bend every coefficient of the fit.
-  times = time_in_rounds([(f, state, batch) for _, _, f, state, batch in references]
-                         + list(alongside), rounds, steps)
-  rows, names = [], []
-  for (name, est, *_), seconds in zip(references, times):
-    communication = est.communication_s
-    if alpha is not None:
-      measured = LogicalMesh((n,), alpha=alpha, beta=beta, devices=tuple(devices))
-      communication = communication_seconds(est.collectives, measured)
-    count = sum(c["count"] for c in est.collectives.values())
-    communication += sync_seconds(fraction, cap, max(seconds - communication, 0.0), count)
-    rows.append((est.flops, est.bytes_accessed, 1.0, max(seconds - communication, 0.0)))
-    names.append(name)
-    log.info("calibration %s: %.3f ms measured, %.3g flops, %.3g bytes", name, seconds * 1e3,
-             est.flops, est.bytes_accessed)
-  from scipy.optimize import nnls
-  a = np.array([r[:3] for r in rows])
-  y = np.array([r[3] for r in rows])
-  scale = a.max(axis=0)
-  weight = 1.0 / np.maximum(y, 1e-6)
-  coef, _ = nnls(a / scale * weight[:, None], y * weight)
-  coef = coef / scale
-  fitted = a @ coef
+  # long on shared cores) would bend every coefficient of the fit. A reference's ZeRO-2
+  # run is timed next to its DataParallel one: their difference gives the waits.
+  runs = [(f, state, batch) for *_, f, state, batch in references]
+  per_round = round_times(runs + list(alongside), rounds, steps)
+  measured = list(zip(references, per_round))
+  plain = [(r, float(np.median(t))) for r, t in measured if r[1].method == "DataParallel"]
+  fraction = 0.0
+  for _ in range(2):  # the fit without waits, their share, the fit less them
+    y = [t - c - sync_seconds(fraction, cap, t - c, _count(est)) for (_, est, c, *_), t in plain]
+    coef = _fit([(r[1], t) for (r, _), t in zip(plain, y)])
+    fraction = _sync_fraction(coef, measured)
+  fitted = [_compute(coef, r[1]) for r, _ in plain]
   profile = Profile(
       platform=devices[0].platform, device_kind=str(getattr(devices[0], "device_kind", "")),
       num_devices=n, seconds_per_flop=float(coef[0]), seconds_per_byte=float(coef[1]),
       overhead_s=float(coef[2]),
-      points=tuple((nm, float(t), float(ft)) for nm, t, ft in zip(names, y, fitted)),
+      points=tuple((r[0], float(t), float(ft)) for (r, _), t, ft in zip(plain, y, fitted)),
       created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       jax_version=jax.__version__, path=str(profile_path(devices)), alpha_s=alpha,
-      beta_s_per_byte=beta, sync_fraction=fraction, sync_cap_s=cap)
-  return profile, times[len(references):]
+      beta_s_per_byte=beta, sync_fraction=fraction if n > 1 else None, sync_cap_s=cap)
+  for (name, est, *_), t in plain:
+    log.info("calibration %s: %.3f ms measured, %.3g flops, %.3g bytes", name, t * 1e3,
+             est.flops, est.bytes_accessed)
+  return profile, [float(np.median(t)) for t in per_round[len(runs):]]
 
 
-def _link_costs(devices, steps: int) -> tuple[float, float]:
+def _count(est) -> int:
+  return sum(c["count"] for c in est.collectives.values())
+
+
+def _compute(coef, est) -> float:
+  return float(coef[0] * est.flops + coef[1] * est.bytes_accessed + coef[2])
+
+
+def _fit(rows) -> np.ndarray:
+  """Non-negative (seconds per flop, per byte, overhead) of ``(estimate, seconds)`` rows,
+  each weighted by the inverse of its seconds (relative errors)."""
+  from scipy.optimize import nnls
+
+  a = np.array([[est.flops, est.bytes_accessed, 1.0] for est, _ in rows])
+  y = np.array([max(t, 0.0) for _, t in rows])
+  scale = a.max(axis=0)
+  weight = 1.0 / np.maximum(y, 1e-6)
+  coef, _ = nnls(a / scale * weight[:, None], y * weight)
+  return coef / scale
+
+
+def _sync_fraction(coef, measured) -> float:
+  """The share of its compute a step loses waiting at its collectives, from the ZeRO-2
+  runs of reference models against their DataParallel runs in the same round: what
+  ZeRO-2 costs beyond its change in fitted compute and link time, over its fitted
+  compute (the median over models and rounds). Paired so, a model's own misfit and a
+  slow spell of the machine cancel; on 8 simulated CPU devices single shares spread
+  over 0.1-0.7."""
+  dp = {r[0]: (r, t) for r, t in measured if r[1].method == "DataParallel"}
+  shares = []
+  for (name, est, communication, *_), rounds in measured:
+    if est.method == "DataParallel":
+      continue
+    (_, base, base_communication, *_), base_rounds = dp[name]
+    compute = _compute(coef, est)
+    fitted = (compute - _compute(coef, base)) + (communication - base_communication)
+    own = [(t - base_t - fitted) / max(compute, 1e-9) for t, base_t in zip(rounds, base_rounds)]
+    shares += own
+    log.info("calibration %s Zero2Parallel: %s ms measured, waits %.3g of %.3f ms compute",
+             name, "/".join(f"{t * 1e3:.1f}" for t in rounds), float(np.median(own)),
+             compute * 1e3)
+  return float(np.clip(np.median(shares), 0.0, 1.0)) if shares else 0.0
+
+
+def _link_costs(devices, steps: int, rounds: int) -> tuple[float, float]:
   """(α, β) of all-reduces over ``devices``: chains of 1 and 17 dependent all-reduces,
   of 4 bytes and of 4 MiB per device; α from the small ones, β from the large."""
   import jax
@@ -221,7 +267,7 @@ def _link_costs(devices, steps: int) -> tuple[float, float]:
   per_op = []
   for per_device in (1, 2**20):  # float32 elements
     x = jnp.ones((n * per_device,), jnp.float32)
-    one, many = (_chain_seconds(devices, chain(c), x, steps) for c in (1, 17))
+    one, many = _chains_seconds(devices, [chain(1), chain(17)], x, steps, rounds)
     per_op.append(max(many - one, 0.0) / 16)
   alpha = per_op[0]
   beta = max(per_op[1] - alpha, 0.0) / (2 * (n - 1) / n * 4 * 2**20)
@@ -229,15 +275,14 @@ def _link_costs(devices, steps: int) -> tuple[float, float]:
   return alpha, beta
 
 
-def _sync_costs(devices, steps: int, alpha: float) -> tuple[float, float]:
-  """(sync_fraction, sync_cap_s): chains of 16 matrix products per device (256 and 512
-  wide), with and without a 4-byte all-reduce after each; beyond α each all-reduce
-  costs a share of the compute before it (the mean of the two sizes'), at most the
-  larger of the two sizes' costs."""
+def _sync_cap(devices, steps: int, rounds: int, alpha: float) -> float:
+  """The most a collective costs beyond α after long compute: chains of 16 matrix
+  products per device (512 wide, ~10 ms each on 8 simulated CPU devices), with and
+  without a 4-byte all-reduce after each."""
   import jax
   import jax.numpy as jnp
 
-  count = 16
+  count, size = 16, 512
 
   def chain(synced):
     def body(w):
@@ -248,30 +293,30 @@ def _sync_costs(devices, steps: int, alpha: float) -> tuple[float, float]:
       return w
     return body
 
-  shares, costs = [], []
-  for size in (256, 512):
-    w = jnp.full((len(devices) * size, size), 0.01, jnp.float32)
-    plain, synced = (_chain_seconds(devices, chain(s), w, steps) for s in (False, True))
-    cost = max((synced - plain) / count - alpha, 0.0)
-    shares.append(cost / max(plain / count, 1e-9))
-    costs.append(cost)
-  log.info("calibration sync: %.3g of the compute before a collective, at most %.3g s",
-           float(np.mean(shares)), max(costs))
-  return float(np.mean(shares)), max(costs)
+  w = jnp.full((len(devices) * size, size), 0.01, jnp.float32)
+  plain, synced = _chains_seconds(devices, [chain(False), chain(True)], w, steps, rounds)
+  cap = max((synced - plain) / count - alpha, 0.0)
+  log.info("calibration sync: at most %.3g s per collective", cap)
+  return cap
 
 
-def _chain_seconds(devices, body, x, steps: int) -> float:
-  """Median seconds of ``body`` run by every device (mesh axis ``"d"``) on its shard of
-  ``x``'s first dimension."""
+def _chains_seconds(devices, bodies, x, steps: int, rounds: int) -> list[float]:
+  """Median seconds of each of ``bodies`` run by every device (mesh axis ``"d"``) on its
+  shard of ``x``'s first dimension, timed in interleaved rounds: the figures are
+  differences of two chains, and timed one after the other a slow spell under one of
+  them moved the sync share of a profile from 0.18 to 0.04."""
   import jax
   from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-  from jaxdist.measure import time_steps
+  from jaxdist.measure import time_in_rounds
 
   mesh, spec = Mesh(np.array(devices), ("d",)), PartitionSpec("d")
-  run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
   x = jax.device_put(x, NamedSharding(mesh, spec))
-  return time_steps(lambda y: (run(y), None), x, num_steps=steps, warmup=2)[2]
+  runs = []
+  for body in bodies:
+    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+    runs.append((lambda y, run=run: (run(y), None), x))
+  return time_in_rounds(runs, rounds, steps)
 
 
 def store(profile: Profile) -> None:

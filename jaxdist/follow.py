@@ -9,12 +9,11 @@ replicated. The shard planner then lays out the evaluation step with those input
 A PipeshardParallel train step run by the driver keeps each stage's state on the stage's
 sub-mesh, and one program cannot read arrays on different device sets: its evaluation step
 runs over all the pipeline's devices, a state leaf that lives on all of them keeps its
-sharding, and one that lives on a stage's sub-mesh is split over every device on its
-largest dimension that divides (as ZeRO-3 lays it out: no device holds a whole leaf).
-Each call moves those leaves from their stages
-(a copy per evaluation, not per train step). In a multi-process job, pass the state
-through the train step's ``exe.gather`` first: values cross processes only between
-sub-meshes of one size.
+sharding, and one that lives on a stage's sub-mesh is split over every device on one
+dimension (as ZeRO-3 lays it out: no device holds a whole leaf). Each call moves those
+leaves from their stages (a copy per evaluation, not per train step). In a multi-process
+job, pass the state through the train step's ``exe.gather`` first: values cross processes
+only between sub-meshes of one size.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from jax.sharding import PartitionSpec
 
 from jaxdist import errors
 from jaxdist import methods as m
-from jaxdist.layouts import shard_largest_dim
+from jaxdist.layouts import shard_leaf_dim
 from jaxdist.mesh import LogicalMesh
 from jaxdist.plan import Plan, PlanEntry
 from jaxdist.trace import BATCH, TracedStep
@@ -48,7 +47,7 @@ def shard_method(method: m.FollowParallel, step: TracedStep) -> tuple[m.ShardPar
     lmesh = exe.logical_mesh
     everywhere = set(lmesh.devices)
     specs = [home.spec if home.device_set == everywhere
-             else shard_largest_dim(leaf.shape, lmesh) or PartitionSpec()
+             else shard_leaf_dim(leaf.shape, lmesh) or PartitionSpec()
              for leaf, home in zip(src_step.inputs, tree_util.tree_leaves(exe.input_shardings))]
   by_arg: dict[int, list] = {}
   for leaf, spec in zip(src_step.inputs, specs):

@@ -91,8 +91,16 @@ def check_batch_divisible(step: TracedStep, parts: int, what: str) -> None:
           f"{parts}.")
 
 
-def shard_largest_dim(shape: tuple[int, ...], lmesh: LogicalMesh) -> PartitionSpec | None:
-  """Splits the largest dimension divisible by the device count over all mesh axes.
+def shard_leaf_dim(shape: tuple[int, ...], lmesh: LogicalMesh) -> PartitionSpec | None:
+  """Splits a state leaf over all mesh axes: on its first dimension if the device count
+  divides it, else on the largest dimension it divides.
+
+  The first: its shards are contiguous in the row-major layout, so ZeRO's reduce-scatter
+  and all-gather need no transposing copy around them. Split on its larger second
+  dimension, a GPT's (256, 1024) kernels were copied transposed before each gradient's
+  reduce-scatter (11.7 MB per device and step) and its ZeRO-3 step ran 10-12% slower on
+  8 simulated CPU devices. A shard of any other dimension is strided anyway, and the
+  largest keeps the most leaves split.
 
   Returns None if no dimension divides.
   """
@@ -100,7 +108,7 @@ def shard_largest_dim(shape: tuple[int, ...], lmesh: LogicalMesh) -> PartitionSp
   dims = [d for d in range(len(shape)) if shape[d] % n == 0 and shape[d] >= n]
   if not dims:
     return None
-  d = max(dims, key=lambda i: (shape[i], -i))
+  d = 0 if dims[0] == 0 else max(dims, key=lambda i: (shape[i], -i))
   axes = batch_spec(lmesh)[0]
   return PartitionSpec(*([None] * d + [axes]))
 
@@ -157,7 +165,7 @@ def data_parallel_layout(method: m.Method, step: TracedStep, lmesh: LogicalMesh)
     if leaf.role == BATCH:
       in_specs.append(batch_spec(lmesh))
     elif leaf.role in sharded_roles:
-      spec = shard_largest_dim(leaf.shape, lmesh)
+      spec = shard_leaf_dim(leaf.shape, lmesh)
       if spec is None:
         unsharded.append(f"{leaf.path} {leaf.shape}")
         spec = REPLICATED
@@ -173,7 +181,7 @@ def data_parallel_layout(method: m.Method, step: TracedStep, lmesh: LogicalMesh)
     src = step.output_source[k]
     zero2_param = (isinstance(method, m.Zero2Parallel) and src is not None
                    and step.inputs[src].role == PARAM)
-    out_constraints.append(shard_largest_dim(aval.shape, lmesh) if zero2_param else None)
+    out_constraints.append(shard_leaf_dim(aval.shape, lmesh) if zero2_param else None)
     if src is not None:
       out_specs.append(in_specs[src])
     elif (step.depends_on_batch[k] and aval.shape and step.batch_size is not None
@@ -200,7 +208,7 @@ def data_parallel_layout(method: m.Method, step: TracedStep, lmesh: LogicalMesh)
   if per_device:
     marker = step.closed_jaxpr.jaxpr.eqns[step.marker_index]
     grad_reduce_specs = tuple(
-        shard_largest_dim(v.aval.shape, lmesh) if kind == GRAD and sharded_roles else None
+        shard_leaf_dim(v.aval.shape, lmesh) if kind == GRAD and sharded_roles else None
         for kind, v in zip(marker.params["kinds"], marker.invars))
   stream = None
   if (isinstance(method, m.Zero3Parallel) and grad_reduce_specs is not None

@@ -28,12 +28,20 @@ def time_steps(step, state, *args, num_steps: int = 5, warmup: int = 1):
 
 
 def time_in_rounds(runs, rounds: int = 3, num_steps: int = 5) -> list[float]:
-  """Median seconds of each ``(step, state, *args)`` in ``runs``, timed in ``rounds``
-  interleaved rounds of ``num_steps`` steps (2 warm-up calls in the first round, 1 after):
-  each run's figure is the median of its rounds' medians, so one slow spell of a shared
-  machine (seconds long) does not decide a run."""
+  """Median seconds of each ``(step, state, *args)`` in ``runs``: the median of its
+  :func:`round_times` (one slow spell of a shared machine, seconds long, does not decide
+  a run)."""
+  return [statistics.median(samples) for samples in round_times(runs, rounds, num_steps)]
+
+
+def round_times(runs, rounds: int = 3, num_steps: int = 5) -> list[list[float]]:
+  """Each ``(step, state, *args)`` of ``runs`` timed in ``rounds`` interleaved rounds of
+  ``num_steps`` steps (2 warm-up calls in the first round, 1 after); every other round
+  runs them in reverse order, since on shared cores the run after another was measured
+  up to 10% slower than the same run before it. Returns each run's median per round."""
   times = [[] for _ in runs]
   for r in range(rounds):
-    for run, samples in zip(runs, times):
-      samples.append(time_steps(*run, num_steps=num_steps, warmup=2 if r == 0 else 1)[2])
-  return [statistics.median(samples) for samples in times]
+    order = range(len(runs)) if r % 2 == 0 else reversed(range(len(runs)))
+    for i in order:
+      times[i].append(time_steps(*runs[i], num_steps=num_steps, warmup=2 if r == 0 else 1)[2])
+  return times

@@ -400,8 +400,9 @@ class FollowParallel(Method):
   train step splits its batch; the shard planner lays out the rest with those pinned.
   A PipeshardParallel train step run by the pipeline driver holds each stage's state on
   its own sub-mesh: the evaluation runs over all its devices, with the state that lives on
-  a stage split over them on its largest dimension, moved there at each evaluation (in a
-  multi-process job pass the state through the train step's ``exe.gather`` first).
+  a stage split over them on one dimension (as ZeRO-3 splits it), moved there at each
+  evaluation (in a multi-process job pass the state through the train step's
+  ``exe.gather`` first).
 
   Args:
     src_func: the :func:`jaxdist.parallelize`'d train step, compiled already (called

@@ -138,6 +138,22 @@ def test_calibration_measures_the_program_the_estimate_models():
   assert len(checked) == 2, checked
 
 
+
+def test_the_sync_share_pairs_zero2_with_dataparallel_round_by_round():
+  """The waits at collectives are ZeRO-2's extra time over its DataParallel run of the same
+  model in the same round, less the fitted change in compute and links, over ZeRO-2's
+  compute: a slow spell (round 2 here) moves both runs of a round, so it cancels."""
+  from types import SimpleNamespace
+  coef = (1e-9, 0.0, 0.0)  # seconds per flop, per byte, overhead: 10 ms per 1e7 flops
+  est = lambda method, count: SimpleNamespace(method=method, flops=1e7, bytes_accessed=0.0,
+                                              collectives={"all-gather": {"count": count}})
+  ms = lambda *t: [x * 1e-3 for x in t]
+  measured = [(("m", est("DataParallel", 1), 1e-3), ms(12, 30, 13)),
+              (("m", est("Zero2Parallel", 20), 3e-3), ms(15, 34, 35))]
+  # Per round: (15-12-2)/10, (34-30-2)/10, (35-13-2)/10; unpaired medians would give 1.9.
+  assert calibration._sync_fraction(coef, measured) == pytest.approx(0.2)
+  assert calibration._sync_fraction(coef, measured[:1]) == 0.0  # no ZeRO-2 runs: none
+
 def test_a_micro_batched_shard_plan_on_2x4_is_estimated_and_predicted():
   """16 examples in 4 micro-batches on (2, 4): the kernels are split over both axes, so
   they enter the loop gathered over the batch axis and die with it, before the gradients'

@@ -42,7 +42,9 @@ def test_state_is_born_in_the_step_layout(method):
   exe = step.get_executable(state, BATCH)
   assert [x.sharding for x in jax.tree.leaves(state)] == jax.tree.leaves(exe.input_shardings[0])
   serial = jax.jit(init_fn)(KEY)
-  assert_trees_close(state, serial, rtol=0, atol=0)
+  # The same random bits; an initializer's arithmetic on a shard may round differently
+  # (ZeRO-3's (8, 32, 256) attention kernels split on their heads: 6e-8 apart at most).
+  assert_trees_close(state, serial, rtol=1e-6, atol=1e-7)
   expected = jax.jit(models.lm_step(jd.value_and_grad))(serial, BATCH)
   assert_trees_close(step(state, BATCH), expected, rtol=2e-4, atol=2e-5)
 
