@@ -77,6 +77,11 @@ gathered = exe.gather(state.params)  # every process, in the same order
 param_sums = [float(np.asarray(x.addressable_data(0)).sum()) for x in jax.tree.leaves(gathered)]
 assert all(x.sharding.device_set == set(jax.devices()) for x in jax.tree.leaves(gathered))
 stage_processes = [sorted({d.process_index for d in st.mesh.devices}) for st in exe.stages]
+# The stages whose programs this process compiled (another process's stage only makes
+# placeholders here).
+compiled_stages = [s for s, st in enumerate(exe.stages)
+                   if getattr(st.forward, "_compiled", True) is not None
+                   or getattr(st.backward, "_compiled", True) is not None]
 
 
 def eval_fn(state, batch):
@@ -100,6 +105,7 @@ replicated = jax.sharding.NamedSharding(jax.sharding.Mesh(jax.devices(), ("all",
 sums = jax.jit(lambda tree: [x.sum() for x in jax.tree.leaves(tree)],
                out_shardings=replicated)(state.params)
 print("RESULT " + json.dumps({"losses": losses, "stage_processes": stage_processes,
+                              "compiled_stages": compiled_stages,
                               "eval_loss": eval_loss,
                               "param_sums": param_sums, "spmd_losses": spmd_losses,
                               "spmd_param_sums": [float(x.addressable_data(0)) for x in sums],

@@ -71,6 +71,8 @@ def test_two_process_pipelines_with_one_stage_per_process_match_serial():
   first, _ = _result_from(stdout, 0)
   assert result["stage_processes"] == [[0], [1]]
   assert first["losses"] == result["losses"]
+  # Each process compiles its own stage's programs only.
+  assert (first["compiled_stages"], result["compiled_stages"]) == ([0], [1])
 
   config = models.GPTConfig(vocab=64, width=16, heads=2, depth=2, seq_len=16)
   batch = models.token_batch(16, config)

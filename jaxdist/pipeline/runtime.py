@@ -63,7 +63,8 @@ from jaxdist import coupling, errors
 from jaxdist import inspect as hlo_inspect
 from jaxdist import jaxpr_util, rng
 from jaxdist import methods as m
-from jaxdist.executable import compare_collectives, compile_layout, place, place_inputs
+from jaxdist.executable import (compare_collectives, compile_here, compile_layout, place,
+                                place_inputs)
 from jaxdist.mesh import LogicalMesh
 from jaxdist.pipeline import (capture, layers as layers_mod, per_device, predict, stage_shard,
                               timeline, transfer)
@@ -461,8 +462,8 @@ class PipelineExecutable:
 
     if option is None:
       avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=sharding) for v in reads]
-      compiled = (jax.jit(run, out_shardings=sharding).lower(*avals).compile()
-                  if self._compiling else None)
+      compiled = (compile_here(jax.jit(run, out_shardings=sharding).lower(*avals),
+                               sharding.device_set) if self._compiling else None)
       return Program(reads, tuple(writes), (sharding,) * len(reads), (sharding,) * len(writes),
                      compiled)
     position = {v: i for i, v in enumerate(jaxpr.invars)}
@@ -810,9 +811,9 @@ class PipelineExecutable:
       build({p: sh for p, sh in outs.items() if sh is not None},
             {p: sh for p, sh in cots.items() if sh is not None})
       stage.grad_homes = stage.grad_homes or [g.sharding for g in stage.grad_avals]
-      stage.zeros = jax.jit(
+      stage.zeros = compile_here(jax.jit(
           lambda grads=stage.grad_avals: [jnp.zeros(g.shape, g.dtype) for g in grads],
-          out_shardings=[g.sharding for g in stage.grad_avals]).lower().compile()
+          out_shardings=[g.sharding for g in stage.grad_avals]).lower(), list(mesh.devices.flat))
 
   def _lay_out_stage(self, stage: Stage, option: m.AutoShardingOption):
     """Plans the stage and sets its programs' avals; returns ``build(outs, cots)``, which
@@ -989,18 +990,19 @@ class PipelineExecutable:
                     for p, sh in cots.items()])
       forward_out = [outs.get(p, sh) for p, sh in enumerate(out_sh)]
       stage.out_avals = placed(stage.out_avals, forward_out)
-      stage.forward = jax.jit(flat_forward, out_shardings=forward_out).lower(
-          *stage.operand_avals, *stage.in_avals, *index).compile()
+      devices = list(stage.mesh.mesh.devices.flat)
+      stage.forward = compile_here(jax.jit(flat_forward, out_shardings=forward_out).lower(
+          *stage.operand_avals, *stage.in_avals, *index), devices)
       accumulator = tuple(range(n_ops + n_in + n_cots, n_ops + n_in + n_cots + num_diff))
-      stage.backward = jax.jit(
+      stage.backward = compile_here(jax.jit(
           flat_backward, donate_argnums=accumulator,
           out_shardings=(*[g.sharding for g in stage.grad_avals],
                          *[cots.get(p, stage.in_avals[p].sharding) for p in stage.float_in])
       ).lower(*stage.operand_avals, *stage.in_avals, *stage.cot_avals, *stage.grad_avals,
-              *index).compile()
-      stage.reduce = jax.jit(lambda *rows: [r.reshape(n, *shape).sum(0)
-                                            for r, shape in zip(rows, shapes)],
-                             out_shardings=stage.grad_homes).lower(*stage.grad_avals).compile()
+              *index), devices)
+      stage.reduce = compile_here(
+          jax.jit(lambda *rows: [r.reshape(n, *shape).sum(0) for r, shape in zip(rows, shapes)],
+                  out_shardings=stage.grad_homes).lower(*stage.grad_avals), devices)
 
     return build
 

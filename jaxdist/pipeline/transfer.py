@@ -29,6 +29,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxdist.executable import compile_here
+
 
 def _devices(sharding: NamedSharding) -> list:
   return list(sharding.mesh.devices.flat)
@@ -80,7 +82,7 @@ def identity(x):
 def _reshard(aval_shape, dtype, src: NamedSharding, dst: NamedSharding):
   """A compiled identity from ``src`` to ``dst`` (the same devices)."""
   arg = jax.ShapeDtypeStruct(aval_shape, dtype, sharding=src)
-  return jax.jit(identity, out_shardings=dst).lower(arg).compile()
+  return compile_here(jax.jit(identity, out_shardings=dst).lower(arg), src.device_set)
 
 
 class Transfer:
