@@ -139,6 +139,24 @@ def test_calibration_measures_the_program_the_estimate_models():
 
 
 
+def test_rounds_alternate_their_order():
+  """On shared cores a run timed right after another measured up to 10% slower than the
+  same run before it, so every other round runs the steps in reverse order."""
+  from jaxdist.measure import round_times
+  calls = []
+
+  def step(name):
+    def run(state):
+      calls.append(name)
+      return state, jnp.zeros(())
+    return run
+
+  times = round_times([(step("a"), 0), (step("b"), 0)], rounds=3, num_steps=1)
+  # 2 warm-up calls and 1 timed per run in the first round, 1 and 1 after.
+  assert calls == ["a"] * 3 + ["b"] * 3 + ["b", "b", "a", "a", "a", "a", "b", "b"]
+  assert [len(t) for t in times] == [3, 3]
+
+
 def test_the_sync_share_pairs_zero2_with_dataparallel_round_by_round():
   """The waits at collectives are ZeRO-2's extra time over its DataParallel run of the same
   model in the same round, less the fitted change in compute and links, over ZeRO-2's
