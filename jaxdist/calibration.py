@@ -31,7 +31,9 @@ time, ZeRO-2's extra time over its compute is the share of the compute a step lo
 its collectives (the median over models and rounds; estimates add
 ``min(sync_fraction · compute, collectives · sync_cap_s)`` to the communication time). The
 cap, what one collective costs at most, comes from chains of 512-wide matrix products
-on every device with and without a 4-byte all-reduce after each. The share used to come
+on every device with and without a 4-byte all-reduce after each (raised, if need be, to
+the waits per collective the share gives the ZeRO-2 references: on 2 devices the chains
+measured none). The share used to come
 from such chains too, timed one after the other: one profile said 0.04 where ZeRO's own
 steps lost 0.2-0.5 of their compute (a GPT's ZeRO-3 step was estimated at 0.75x).
 
@@ -190,6 +192,9 @@ def measure(devices, steps: int = 5, rounds: int = 3,
     y = [t - c - sync_seconds(fraction, cap, t - c, _count(est)) for (_, est, c, *_), t in plain]
     coef = _fit([(r[1], t) for (r, _), t in zip(plain, y)])
     fraction = _sync_fraction(coef, measured)
+  if n > 1:  # the cap lets the references' own waits through (2 devices: chains gave 0)
+    cap = max([cap, *(fraction * _compute(coef, r[1]) / max(_count(r[1]), 1)
+                      for r, _ in measured if r[1].method != "DataParallel")])
   fitted = [_compute(coef, r[1]) for r, _ in plain]
   profile = Profile(
       platform=devices[0].platform, device_kind=str(getattr(devices[0], "device_kind", "")),
