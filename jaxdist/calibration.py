@@ -33,9 +33,9 @@ its collectives (the median over models and rounds; estimates add
 cap, what one collective costs at most, comes from chains of 512-wide matrix products
 on every device with and without a 4-byte all-reduce after each (raised, if need be, to
 the waits per collective the share gives the ZeRO-2 references: on 2 devices the chains
-measured none). The share used to come
-from such chains too, timed one after the other: one profile said 0.04 where ZeRO's own
-steps lost 0.2-0.5 of their compute (a GPT's ZeRO-3 step was estimated at 0.75x).
+measured none). The share used to come from such chains too, timed one after the other:
+one profile said 0.04 where ZeRO's own steps lost 0.2-0.5 of their compute (a GPT's
+ZeRO-3 step was estimated at 0.75x).
 
 Profiles live under ``$JAXDIST_CACHE_DIR/profiles`` (default ``~/.cache/jaxdist``), one
 JSON file per platform, device kind and device count, like nnScaler's ``profile_dir``;
