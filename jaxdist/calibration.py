@@ -187,11 +187,10 @@ def measure(devices, steps: int = 5, rounds: int = 3,
   per_round = round_times(runs + list(alongside), rounds, steps)
   measured = list(zip(references, per_round))
   plain = [(r, float(np.median(t))) for r, t in measured if r[1].method == "DataParallel"]
-  fraction = 0.0
-  for _ in range(2):  # the fit without waits, their share, the fit less them
-    y = [t - c - sync_seconds(fraction, cap, t - c, _count(est)) for (_, est, c, *_), t in plain]
-    coef = _fit([(r[1], t) for (r, _), t in zip(plain, y)])
-    fraction = _sync_fraction(coef, measured)
+  # The fit without waits gives the waits' share; then the fit of the references less theirs.
+  fraction = _sync_fraction(_fit([(r[1], t - r[2]) for r, t in plain]), measured)
+  y = [t - c - sync_seconds(fraction, cap, t - c, _count(est)) for (_, est, c, *_), t in plain]
+  coef = _fit([(r[1], t) for (r, _), t in zip(plain, y)])
   if n > 1:  # the cap lets the references' own waits through (2 devices: chains gave 0)
     cap = max([cap, *(fraction * _compute(coef, r[1]) / max(_count(r[1]), 1)
                       for r, _ in measured if r[1].method != "DataParallel")])
