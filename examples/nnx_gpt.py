@@ -2,9 +2,10 @@
 
 The step is ordinary nnx: the model and its ``nnx.Optimizer`` travel as one state pytree
 (``nnx.split``), the step merges them, differentiates the loss of the parameters and
-returns the new state. jaxdist needs only ``jd.value_and_grad`` in place of
-``nnx.value_and_grad`` (it marks the gradients, so micro-batches and pipelines work);
-pipeline layer boundaries may sit inside the model (``jd.mark_pipeline_boundary()``).
+returns the new state, with ``nnx.value_and_grad`` as usual: called in the step, it
+differentiates through ``jax.value_and_grad``, which is jaxdist's while jaxdist traces the
+step (so micro-batches and pipelines work; ``jd.value_and_grad`` in its place does the
+same). Pipeline layer boundaries may sit inside the model (``jd.mark_pipeline_boundary()``).
 
     python examples/nnx_gpt.py            # every method against the serial step
     python examples/nnx_gpt.py --steps 20
@@ -68,8 +69,9 @@ def create(vocab=256, width=64, heads=4, depth=4, seq_len=32, tx=None, seed=0):
   return nnx.split((model, optimizer))
 
 
-def make_step(graphdef, value_and_grad=jd.value_and_grad, boundaries: bool = False):
-  """The train step: next-token cross-entropy, one Adam update."""
+def make_step(graphdef, value_and_grad=None, boundaries: bool = False):
+  """The train step: next-token cross-entropy, one Adam update (``value_and_grad``: the
+  transform, default ``nnx.value_and_grad``)."""
 
   def train_step(state, batch):
     model, optimizer = nnx.merge(graphdef, state)
@@ -80,7 +82,7 @@ def make_step(graphdef, value_and_grad=jd.value_and_grad, boundaries: bool = Fal
       logits = nnx.merge(model_def, params, rest)(inputs, boundaries)
       return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
-    loss, grads = value_and_grad(loss_fn)(params)
+    loss, grads = (value_and_grad or nnx.value_and_grad)(loss_fn)(params)
     optimizer.update(model, grads)
     return nnx.state((model, optimizer)), {"loss": loss}
 

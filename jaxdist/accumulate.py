@@ -406,8 +406,17 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
       local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(batch_axes),
       check_vma=False)
 
+  # Marked values that are inputs the gradient part returns as they came in (the
+  # parameters nnx.value_and_grad returns as its aux) are read outside the region: inside
+  # it, a ZeRO-3 parameter is this device's shard, and a reduction would mix the shards.
+  at = {v: i for i, v in enumerate(grad_jaxpr.invars)}
+  passed = {j: at[v] for j, v in enumerate(grad_marker_eqn.invars)
+            if v in at and step.inputs[at[v]].role != BATCH}
+
   def run(*leaves):
-    marked = region(*[leaves[i] for i in split.grad_inputs])
+    marked = list(region(*[leaves[i] for i in split.grad_inputs]))
+    for j, i in passed.items():
+      marked[j] = leaves[i]
     env = dict(zip(jaxpr.constvars, closed.consts))
     env.update(zip(jaxpr.invars, leaves))
     jaxpr_util.eval_eqns(jaxpr, env, split.apply_eqns | {split.marker},

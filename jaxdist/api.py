@@ -14,6 +14,7 @@ import jax
 from jax import tree_util
 
 from jaxdist import errors
+from jaxdist.grad import SEEN
 from jaxdist import follow
 from jaxdist import jaxpr_util
 from jaxdist import methods as m
@@ -494,9 +495,8 @@ class ParallelizedFunc:
       if traced.marker_index is None:
         raise errors.GradientMarkerError(
             f"{self.method.name}(recompute_modules={self.method.recompute_modules!r}) is "
-            f"applied by jaxdist.grad / jaxdist.value_and_grad, and the step does not use "
-            f"them (exactly once, at its top level). Use jaxdist.value_and_grad (same "
-            f"signature).")
+            f"applied to the function the step differentiates, and jaxdist found none: "
+            f"{SEEN}. Use jaxdist.value_and_grad if jax's is bound elsewhere.")
       request.check_all_matched(self.method.name)
     return traced
 

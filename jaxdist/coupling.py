@@ -51,7 +51,11 @@ def batch_coupling(step: TracedStep) -> str | None:
     exempt = {normalizer} if normalizer is not None else set()
   state: dict = {}
   batch = [v for v, leaf in zip(jaxpr.invars, step.inputs) if leaf.role == BATCH]
-  coupled = coupling_in(jaxpr, batch, size, exempt, state)
+  # Past the marker the values are the whole batch's (reduced), and the optimizer's
+  # equations would only be mistaken for per-example work: an LSTM's weight gradient of
+  # shape (32, 128) at batch size 32, divided by its global norm, looked like a batch
+  # statistic mixed into examples.
+  coupled = coupling_in(jaxpr, batch, size, exempt, state, stop=step.marker_index)
   if coupled or step.marker_index is None or exempt:
     return coupled
   marker = jaxpr.eqns[step.marker_index]
@@ -83,15 +87,17 @@ def loss_coupling(loss_jaxpr, num_consts: int, batched, size: int) -> str | None
   return _mixed_loss(loss_jaxpr.eqns, loss_jaxpr.outvars[0], state)
 
 
-def coupling_in(jaxpr, batch_vars, size: int, exempt=frozenset(), state=None) -> str | None:
+def coupling_in(jaxpr, batch_vars, size: int, exempt=frozenset(), state=None,
+                stop: int | None = None) -> str | None:
   """:func:`batch_coupling` of ``jaxpr`` whose ``batch_vars`` (those with dim 0 of
   ``size``) carry the batch; ``exempt``: vars not followed (the loss's normalizer);
-  ``state``: filled with each followed var's batch axis or ``REDUCED``."""
+  ``state``: filled with each followed var's batch axis or ``REDUCED``; ``stop``: the
+  first equation not looked at (all are by default)."""
   state = {} if state is None else state
   for v in batch_vars:
     if _shape(v) and _shape(v)[0] == size:
       state[v] = 0
-  for i, eqn in enumerate(jaxpr.eqns):
+  for i, eqn in enumerate(jaxpr.eqns[:stop]):
     ins = [None if isinstance(v, jex.Literal) or v in exempt else state.get(v)
            for v in eqn.invars]
     carried = [(k, p) for k, p in enumerate(ins) if isinstance(p, int)]

@@ -7,10 +7,19 @@ begins, so that gradients can be accumulated over micro-batches and reduced acro
 devices once per step. Outside ``jaxdist.parallelize`` it is a plain identity. Under
 ``PipeshardParallel`` the function is not differentiated while the step is traced: it is
 captured as one equation that the pipeline runs stage by stage (``jaxdist.pipeline.capture``).
+
+A step written with plain ``jax.grad`` / ``jax.value_and_grad`` gets the same: while
+jaxdist traces a step (:func:`marking_jax_grads`), those two names of the ``jax`` module
+are jaxdist's. ``from jax import grad`` binds jax's own function and is not affected.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import threading
 from collections.abc import Callable, Sequence
 
 import jax
@@ -22,6 +31,15 @@ from jaxdist.recompute import with_recompute
 VALUE, AUX, GRAD = capture.VALUE, capture.AUX, capture.GRAD
 
 grad_marker_p = identity_marker(IDENTITY_MARKER)
+
+# jax's own functions: jaxdist's calls them even while ``jax.grad`` names jaxdist's.
+jax_grad, jax_value_and_grad = jax.grad, jax.value_and_grad
+
+# For error messages: which gradients jaxdist sees.
+SEEN = ("jaxdist sees the gradient of a step that calls jax.grad / jax.value_and_grad by "
+        "that name exactly once, at its top level (not a function bound before the step "
+        "runs, as `from jax import value_and_grad` or a default argument binds it), or "
+        "jaxdist.grad / jaxdist.value_and_grad (same signature)")
 
 
 def _mark(value, aux, grads, has_value: bool, has_aux: bool):
@@ -51,7 +69,7 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
   Returns:
     A function returning ``(value, grads)`` or ``((value, aux), grads)``.
   """
-  vg = jax.value_and_grad(with_recompute(fun), argnums=argnums, has_aux=has_aux, **kwargs)
+  vg = jax_value_and_grad(with_recompute(fun), argnums=argnums, has_aux=has_aux, **kwargs)
 
   def run(*args, **kw):
     if capture.active():  # PipeshardParallel is tracing: the pipeline differentiates
@@ -72,7 +90,7 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
 def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
          **kwargs) -> Callable:
   """Like ``jax.grad``, and marks the gradients for jaxdist (see :func:`value_and_grad`)."""
-  g = jax.grad(with_recompute(fun), argnums=argnums, has_aux=has_aux, **kwargs)
+  g = jax_grad(with_recompute(fun), argnums=argnums, has_aux=has_aux, **kwargs)
 
   def run(*args, **kw):
     if capture.active():
@@ -87,3 +105,67 @@ def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
     return grads
 
   return run
+
+
+@dataclasses.dataclass
+class PlainCalls:
+  """The plain ``jax.grad`` / ``value_and_grad`` calls one trace made jaxdist's."""
+
+  count: int = 0
+  inside: bool = False  # tracing the function one of them differentiates
+
+
+_MARKING: contextvars.ContextVar[PlainCalls | None] = contextvars.ContextVar(
+    "jaxdist_marking", default=None)
+_lock = threading.Lock()
+_patched = 0  # traces (in any thread) under marking_jax_grads
+
+
+@contextlib.contextmanager
+def marking_jax_grads():
+  """While active, ``jax.grad`` / ``jax.value_and_grad`` called in this context (not in
+  a nested one: a gradient inside a differentiated function stays jax's) are
+  :func:`grad` / :func:`value_and_grad`, so that a plain step gets what ``jaxdist.grad``
+  gives: gradients reduced once per step, accumulation, recomputation, pipelines. Yields
+  the :class:`PlainCalls` it made jaxdist's; the caller decides whether the marked trace
+  is usable (one call, at the step's top level). Other threads see jax's functions."""
+  global _patched
+  calls = PlainCalls()
+  token = _MARKING.set(calls)
+  with _lock:
+    if _patched == 0:
+      jax.grad, jax.value_and_grad = _marking(grad, jax_grad), _marking(value_and_grad,
+                                                                         jax_value_and_grad)
+    _patched += 1
+  try:
+    yield calls
+  finally:
+    _MARKING.reset(token)
+    with _lock:
+      _patched -= 1
+      if _patched == 0:
+        jax.grad, jax.value_and_grad = jax_grad, jax_value_and_grad
+
+
+def _marking(marked: Callable, plain: Callable) -> Callable:
+  """``plain`` (jax's transform), or ``marked`` (jaxdist's) where a trace marks."""
+
+  @functools.wraps(plain)
+  def transform(fun, *args, **kwargs):
+    plain_fun = plain(fun, *args, **kwargs)  # (jax checks the arguments)
+
+    @functools.wraps(plain_fun)
+    def run(*a, **kw):
+      calls = _MARKING.get()
+      if calls is None or calls.inside:
+        return plain_fun(*a, **kw)
+      calls.count += 1
+      calls.inside = True
+      try:
+        return marked(fun, *args, **kwargs)(*a, **kw)
+      finally:
+        calls.inside = False
+
+    return run
+
+  return transform

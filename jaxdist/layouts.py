@@ -17,7 +17,7 @@ from jaxdist import errors
 from jaxdist import methods as m
 from jaxdist.coupling import batch_coupling, warn_split
 from jaxdist.mesh import LogicalMesh
-from jaxdist.grad import GRAD
+from jaxdist.grad import GRAD, SEEN
 from jaxdist.trace import BATCH, OPTIMIZER, PARAM, TracedStep
 
 REPLICATED = PartitionSpec()
@@ -126,8 +126,7 @@ def uses_marker(method: m.Method, step: TracedStep) -> bool:
   if k > 1 and step.num_markers == 0:
     raise errors.GradientMarkerError(
         f"{method.name}(num_micro_batches={k}) needs to know where gradients are computed, and "
-        f"the step computes them with plain jax.grad / jax.value_and_grad. Use "
-        f"jaxdist.grad / jaxdist.value_and_grad instead (same signature).")
+        f"found none in the step: {SEEN}.")
   if step.num_markers:
     where = (f"{step.num_markers} times" if step.num_markers > 1
              else "inside a loop, cond or custom_vjp")

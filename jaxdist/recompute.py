@@ -63,7 +63,7 @@ class RecomputeRequest:
                "nnx.remat / jax.checkpoint in the model)")
     raise errors.InvalidArgumentError(
         f"{owner}(recompute_modules=...): {', '.join(map(repr, missing))} matched no module "
-        f"called under jaxdist.grad / value_and_grad. Modules that exist: {known}.")
+        f"in the function the step differentiates. Modules that exist: {known}.")
 
   def interceptor(self, next_fun, args, kwargs, context):
     if context.method_name != "__call__":

@@ -29,7 +29,8 @@ from jax import tree_util
 
 from jaxdist import errors
 from jaxdist import jaxpr_util
-from jaxdist.grad import GRAD, grad_marker_p
+from jaxdist.grad import GRAD, grad_marker_p, marking_jax_grads
+from jaxdist.pipeline import capture
 from jaxdist.recompute import tie_recomputations
 
 BATCH, PARAM, OPTIMIZER, INPUT = "batch", "param", "optimizer", "input"
@@ -291,9 +292,15 @@ def _trace_flat(fun, args, dyn_argnums, in_tree, flat_args):
   # Traced on shapes and dtypes alone: arrays placed by an earlier step carry their mesh
   # into the jaxpr's types (a scan's results), which inside a shard_map over that mesh
   # would clash with its manual axes.
-  closed = jax.make_jaxpr(flat_fun)(*[
-      jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False))
-      if isinstance(x, jax.Array) else x for x in flat_args])
+  abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False))
+              if isinstance(x, jax.Array) else x for x in flat_args]
+  with marking_jax_grads() as plain_calls:
+    closed = jax.make_jaxpr(flat_fun)(*abstract)
+  if plain_calls.count and not _one_top_level_gradient(closed):
+    # A plain jax.grad nested in a loop, a cond, a custom_vjp or called more than once:
+    # the step is traced again as written (XLA reduces its gradients). (A new function:
+    # make_jaxpr would return its cached trace of ``flat_fun``.)
+    closed = jax.make_jaxpr(lambda *flat: flat_fun(*flat))(*abstract)
   marker_index = None
   num_markers = jaxpr_util.count_primitive(closed.jaxpr, grad_marker_p.name)
   if num_markers:
@@ -305,6 +312,16 @@ def _trace_flat(fun, args, dyn_argnums, in_tree, flat_args):
     if num_markers == 1 and len(found) == 1:
       marker_index = found[0]
   return closed, out_store["tree"], out_store["paths"], marker_index, num_markers
+
+
+def _one_top_level_gradient(closed) -> bool:
+  """Whether ``closed`` has one gradient (a marker, or a pipeline's captured loss), at its
+  top level once calls are inlined."""
+  names = (grad_marker_p.name, capture.pipeline_loss_p.name)
+  if sum(jaxpr_util.count_primitive(closed.jaxpr, n) for n in names) != 1:
+    return False
+  inlined = jaxpr_util.inline_calls(closed).jaxpr
+  return sum(len(jaxpr_util.find_eqns(inlined, n)) for n in names) == 1
 
 
 def with_micro_batch_trace(fun, args, static_argnums: tuple[int, ...], step: TracedStep,

@@ -1,5 +1,5 @@
 """The examples users copy, run as tests. examples/nnx_gpt.py: flax nnx steps as users write
-them (model and nnx.Optimizer split into one state, jd.value_and_grad over the parameters,
+them (model and nnx.Optimizer split into one state, nnx.value_and_grad over the parameters,
 a pipeline boundary inside the model) under every method, against the serial step: losses
 and the whole new state within 1e-5 (cross-device summation order). SGD with momentum:
 Adam's first step turns the summation noise of a zero gradient (attention's key bias)

@@ -60,6 +60,7 @@ from jax import tree_util
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdist import coupling, errors
+from jaxdist.grad import SEEN
 from jaxdist import inspect as hlo_inspect
 from jaxdist import jaxpr_util, rng
 from jaxdist import methods as m
@@ -159,9 +160,9 @@ def loss_equation(jaxpr) -> int:
   found = jaxpr_util.find_eqns(jaxpr, capture.pipeline_loss_p.name)
   if len(found) != 1 or jaxpr_util.count_primitive(jaxpr, capture.pipeline_loss_p.name) != 1:
     raise errors.GradientMarkerError(
-        "PipeshardParallel pipelines the function passed to jaxdist.grad / value_and_grad, "
-        "which the step must call exactly once, at its top level (jitted helpers are fine; "
-        "not inside a loop or cond). Use jaxdist.value_and_grad instead of jax's.")
+        f"PipeshardParallel pipelines the function the step differentiates, and found none: "
+        f"{SEEN}; jitted helpers are fine, loops and conds are not. Use "
+        f"jaxdist.value_and_grad instead of jax's if it is bound elsewhere.")
   if jaxpr_util.count_primitive(jaxpr, layers_mod.boundary_p.name):
     raise errors.InvalidArgumentError(
         "jaxdist.mark_pipeline_boundary() is called outside the function passed to "
@@ -1067,7 +1068,9 @@ class PipelineExecutable:
     in_flight = [0] * len(self.stages)
     peak = [0] * len(self.stages)
     dispatched = 0
-    out_index = {v: i for i, v in enumerate(jaxpr.outvars)}
+    out_index = {}  # a loss may return one value twice
+    for i, v in enumerate(jaxpr.outvars):
+      out_index.setdefault(v, []).append(i)
     readers = self._readers
     clock = time.perf_counter
     call_s = move_s = 0.0
@@ -1091,8 +1094,8 @@ class PipelineExecutable:
             recorder.issued(FORWARD, s, b, s % groups, t1, outs)
           for v, x in zip(st.acts_out, outs):
             acts_made += [((b, v, r), x, sharding) for r, sharding in readers.get(v, ())]
-            if v in out_index:
-              outputs[b, out_index[v]] = x
+            for i in out_index.get(v, ()):
+              outputs[b, i] = x
           saved[s, b] = (ops, acts_in)
           in_flight[s] += 1
           peak[s] = max(peak[s], in_flight[s])
@@ -1153,6 +1156,7 @@ class PipelineExecutable:
         g = move(g, home[pos])
         grads[pos] = g if pos not in grads else grads[pos] + g
     results = []
+    passed = {v: p for p, v in enumerate(jaxpr.invars)}
     for i, kind in enumerate(loss.kinds):
       if kind == capture.GRAD:
         pos = loss.num_consts + i - 1 - num_aux
@@ -1162,6 +1166,12 @@ class PipelineExecutable:
           continue
         results.append(grads[pos] if pos in grads
                        else move(np.zeros(v.aval.shape, v.aval.dtype), home[pos]))
+        continue
+      out = jaxpr.outvars[i]
+      if isinstance(out, jex.Literal) or out in passed:  # returned as it came in, no stage
+        # made it (nnx.value_and_grad's aux: the parameters)
+        results.append(move(out.val if isinstance(out, jex.Literal) else operands[passed[out]],
+                            self._result_homes[i]))
         continue
       parts = [move(outputs[b, i], self._result_homes[i]) for b in range(k)]
       if kind == capture.AUX and parts[0].shape != self._whole.outvars[i].aval.shape:
