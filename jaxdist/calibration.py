@@ -12,7 +12,8 @@ much as a 600 ms one; unweighted, the slowest steps decided the fit and the fast
 estimated 2x too slow on this CPU). The reference steps take their gradients with
 ``jaxdist.value_and_grad``, so DataParallel runs them as the estimate models every
 SPMD method: one program per device and one explicit reduction of the gradients. A
-``jax.value_and_grad`` step is partitioned by XLA instead, which all-reduces each
+step whose gradient jaxdist does not see (``jaxdist.grad``) is partitioned by XLA
+instead, which all-reduces each
 weight gradient before its transpose and then reads it transposed in every fusion of
 the update: on 8 simulated CPU devices that made an 8-layer Adam MLP's step 1.9x slower
 (57 vs 31 ms) at the same flops and bytes, and its references no line could fit.

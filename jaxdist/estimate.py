@@ -75,7 +75,7 @@ class Estimate:
     bytes_accessed: bytes per device and step that buffers write (each non-fused value
       once) plus the state and batch read.
     approximate: True where the memory model is known to be loose (DataParallel/ZeRO on
-      a step that uses ``jax.grad`` instead of ``jaxdist.grad``; see ``notes``); tuning
+      a step whose gradient jaxdist does not see, ``jaxdist.grad``; see ``notes``); tuning
       does not skip candidates on such estimates.
     stages: PipeshardParallel: one :class:`StageEstimate` per stage (the figures above
       are the stage with the largest memory_per_device; times are the pipelined step's).
@@ -498,8 +498,8 @@ def _split_step(planned, closed, size=nbytes, gathered_inputs=None, hoisted=None
     labels["reduced"] = "grads"
     why = ("the step mixes examples beyond the loss's mean, so gradients are computed over "
            "the whole batch" if markers else
-           "the step computes gradients with jax.grad (not jaxdist.grad), so they are not "
-           "known by name")
+           "jaxdist does not see the step's gradient (a jax.grad bound before the step "
+           "runs, or taken in a loop or more than once), so it is not known by name")
     notes.append(f"approximate: {why} and XLA lays out their reduction itself; the reduced "
                  "gradients are counted at the backward's peak (measured from 0.8x to 3x of "
                  "XLA's figure for ZeRO" + ("" if markers else "; use jaxdist.value_and_grad")
