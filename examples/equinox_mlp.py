@@ -34,16 +34,17 @@ def make(key=jax.random.key(0)):
   return params, static, OPTIMIZER.init(params), batch
 
 
-def make_step(static, value_and_grad=jax.value_and_grad):
-  """An ordinary train step; ``value_and_grad`` may be ``jd.value_and_grad`` (which
-  accumulates gradients over micro-batches when a method asks for them)."""
+def make_step(static):
+  """An ordinary equinox train step. ``eqx.filter_value_and_grad`` calls
+  ``jax.value_and_grad``, which is jaxdist's while jaxdist traces the step, so gradients
+  are accumulated over micro-batches when a method asks for them."""
 
   def loss_fn(params, batch):
     model = eqx.combine(params, static)
     return jnp.mean((jax.vmap(model)(batch["x"]) - batch["y"]) ** 2)
 
   def step(params, opt_state, batch):
-    loss, grads = value_and_grad(loss_fn)(params, batch)
+    loss, grads = eqx.filter_value_and_grad(loss_fn)(params, batch)
     updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
@@ -74,7 +75,7 @@ def main():
   print(f"{'serial':<32} loss {reference[0]:.5f} -> {reference[-1]:.5f}")
   for name, method in METHODS.items():
     # The batch is argument 2; params and optimizer state are updated in place (donated).
-    step = jd.parallelize(make_step(static, jd.value_and_grad), method=method,
+    step = jd.parallelize(make_step(static), method=method,
                           batch_argnums=(2,))
     params, _, opt_state, _ = make()
     exe = step.get_executable(params, opt_state, batch)

@@ -14,12 +14,12 @@ import jax
 from jax import tree_util
 
 from jaxdist import errors
-from jaxdist.grad import SEEN
 from jaxdist import follow
 from jaxdist import jaxpr_util
 from jaxdist import methods as m
 from jaxdist.coupling import batch_coupling, warn_split
 from jaxdist.executable import Executable, allocation_bytes, compile_layout, make_plan
+from jaxdist.grad import SEEN
 from jaxdist.layouts import check_batch_divisible, data_parallel_layout
 from jaxdist.mesh import LogicalMesh
 from jaxdist.pipeline import capture

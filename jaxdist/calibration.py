@@ -13,10 +13,10 @@ estimated 2x too slow on this CPU). The reference steps take their gradients wit
 ``jaxdist.value_and_grad``, so DataParallel runs them as the estimate models every
 SPMD method: one program per device and one explicit reduction of the gradients. A
 step whose gradient jaxdist does not see (``jaxdist.grad``) is partitioned by XLA
-instead, which all-reduces each
-weight gradient before its transpose and then reads it transposed in every fusion of
-the update: on 8 simulated CPU devices that made an 8-layer Adam MLP's step 1.9x slower
-(57 vs 31 ms) at the same flops and bytes, and its references no line could fit.
+instead, which all-reduces each weight gradient before its transpose and then reads it
+transposed in every fusion of the update: on 8 simulated CPU devices that made an
+8-layer Adam MLP's step 1.9x slower (57 vs 31 ms) at the same flops and bytes, and its
+references no line could fit.
 
 A profile also measures the links: a chain of dependent all-reduces over all the
 devices, of 4 bytes and of 4 MiB per device, gives the latency α of one collective and

@@ -75,8 +75,8 @@ class Estimate:
     bytes_accessed: bytes per device and step that buffers write (each non-fused value
       once) plus the state and batch read.
     approximate: True where the memory model is known to be loose (DataParallel/ZeRO on
-      a step whose gradient jaxdist does not see, ``jaxdist.grad``; see ``notes``); tuning
-      does not skip candidates on such estimates.
+      a step whose gradient jaxdist does not see, see ``jaxdist.grad`` and ``notes``);
+      tuning does not skip candidates on such estimates.
     stages: PipeshardParallel: one :class:`StageEstimate` per stage (the figures above
       are the stage with the largest memory_per_device; times are the pipelined step's).
     compiled_collectives: with ``compile=True``: the compiled step's collectives, as

@@ -29,7 +29,7 @@ from jax import tree_util
 
 from jaxdist import errors
 from jaxdist import jaxpr_util
-from jaxdist.grad import GRAD, grad_marker_p, marking_jax_grads
+from jaxdist.grad import GRAD, PlainCalls, grad_marker_p, marking_jax_grads
 from jaxdist.pipeline import capture
 from jaxdist.recompute import tie_recomputations
 
@@ -172,8 +172,12 @@ def trace_step(fun, args: tuple, static_argnums: tuple[int, ...], batch_argnums:
       argnum_of_leaf.append(i)
   in_tree = tree_util.tree_structure(tuple(args[i] for i in dyn_argnums))
 
+  is_batch = [a in batch_argnums for a in argnum_of_leaf]
   closed, out_tree, out_paths, marker_index, num_markers = _trace_flat(
       fun, args, dyn_argnums, in_tree, leaves)
+  if _differentiates_the_batch(closed, marker_index, leaves, is_batch):
+    closed, out_tree, out_paths, marker_index, num_markers = _trace_flat(
+        fun, args, dyn_argnums, in_tree, leaves, mark=False)
   out_avals = tuple(v.aval for v in closed.jaxpr.outvars)
   sigs = [leaf_signature(x) for x in leaves]
 
@@ -184,7 +188,6 @@ def trace_step(fun, args: tuple, static_argnums: tuple[int, ...], batch_argnums:
   else:
     donated = tuple(donate_argnums)
 
-  is_batch = [a in batch_argnums for a in argnum_of_leaf]
   batch_mask = sum(1 << k for k, b in enumerate(is_batch) if b)
   out_deps = jaxpr_util.output_dependencies(closed.jaxpr, len(leaves))
   state_leaves = {src for src in output_source if src is not None}
@@ -269,12 +272,13 @@ def _check_batch_arguments(fun, args, dyn_argnums, in_tree, leaves, inputs, batc
       errors.JaxdistWarning, stacklevel=5)
 
 
-def _trace_flat(fun, args, dyn_argnums, in_tree, flat_args):
+def _trace_flat(fun, args, dyn_argnums, in_tree, flat_args, mark: bool = True):
   """make_jaxpr of ``fun`` on flat dynamic leaves (arrays or ShapeDtypeStructs).
 
   Returns (closed_jaxpr, out_tree, out_paths, marker_index, num_markers). When the
   step uses jaxdist.grad, jit bodies are inlined so that a marker inside a jitted helper
   is visible at the top level; one inside a loop or a custom_vjp stays hidden.
+  ``mark``: the step's own ``jax.grad`` calls are jaxdist's (:func:`marking_jax_grads`).
   """
   out_store = {}
 
@@ -294,7 +298,7 @@ def _trace_flat(fun, args, dyn_argnums, in_tree, flat_args):
   # would clash with its manual axes.
   abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False))
               if isinstance(x, jax.Array) else x for x in flat_args]
-  with marking_jax_grads() as plain_calls:
+  with marking_jax_grads() if mark else contextlib.nullcontext(PlainCalls()) as plain_calls:
     closed = jax.make_jaxpr(flat_fun)(*abstract)
   if plain_calls.count and not _one_top_level_gradient(closed):
     # A plain jax.grad nested in a loop, a cond, a custom_vjp or called more than once:
@@ -312,6 +316,23 @@ def _trace_flat(fun, args, dyn_argnums, in_tree, flat_args):
     if num_markers == 1 and len(found) == 1:
       marker_index = found[0]
   return closed, out_store["tree"], out_store["paths"], marker_index, num_markers
+
+
+def _differentiates_the_batch(closed, marker_index, leaves, is_batch) -> bool:
+  """Whether the one gradient jaxdist made of a plain ``jax.grad`` has a result shaped
+  like a batch leaf and like no other input (a gradient with respect to the examples, an
+  adversarial or saliency step's): that is no partial sum the devices could add, so the
+  step is traced again as written."""
+  if marker_index is None or jaxpr_util.count_primitive(closed.jaxpr, grad_marker_p.name) != 1:
+    return False
+  marker = closed.jaxpr.eqns[marker_index]
+  if not marker.params.get("plain"):
+    return False
+  shapes = [np.shape(x) for x in leaves]
+  batch = {s for s, b in zip(shapes, is_batch) if b}
+  other = {s for s, b in zip(shapes, is_batch) if not b}
+  return any(kind == GRAD and v.aval.shape in batch and v.aval.shape not in other
+             for v, kind in zip(marker.invars, marker.params["kinds"]))
 
 
 def _one_top_level_gradient(closed) -> bool:
@@ -338,7 +359,8 @@ def with_micro_batch_trace(fun, args, static_argnums: tuple[int, ...], step: Tra
   leaves = tree_util.tree_leaves(tuple(args[i] for i in dyn_argnums))
   flat = [jax.ShapeDtypeStruct((info.shape[0] // divisor,) + info.shape[1:], info.dtype)
           if info.role == BATCH else x for x, info in zip(leaves, step.inputs)]
-  closed, _, _, marker_index, _ = _trace_flat(fun, args, dyn_argnums, step.in_tree, flat)
+  closed, _, _, marker_index, _ = _trace_flat(fun, args, dyn_argnums, step.in_tree, flat,
+                                              mark=step.num_markers > 0)
   if tie_in_loops:
     closed = tie_recomputations(closed, in_loops=True)
   if inline:

@@ -533,8 +533,9 @@ def test_a_step_calling_jax_value_and_grad_gets_jaxdist_gradients():
 
 
 def test_plain_gradients_jaxdist_cannot_own_are_left_to_xla():
-  """Two top-level ``jax.grad`` calls (a loss and a penalty's gradient), or one inside a
-  loop: the step is traced again as written and XLA reduces its gradients, silently."""
+  """Two top-level ``jax.grad`` calls (a loss and a penalty's gradient), one inside a
+  loop, or one with respect to the examples (a saliency map: no partial sum of devices):
+  the step is traced again as written and XLA reduces its gradients, silently."""
   make, batch = _mlp_setup()
 
   def loss_fn(params, x, y):
@@ -553,7 +554,11 @@ def test_plain_gradients_jaxdist_cannot_own_are_left_to_xla():
     grads, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, state.params), halves)
     return state.apply_gradients(grads=jax.tree.map(lambda g: g / 2, grads)), None
 
-  for step in (two_calls, in_a_loop):
+  def of_the_examples(state, batch):  # one call, with respect to the inputs
+    gx = jax.grad(lambda x: loss_fn(state.params, x, batch["y"]))(batch["x"])
+    return state, jnp.mean(gx ** 2, axis=1)
+
+  for step in (two_calls, in_a_loop, of_the_examples):
     expected = _two_steps(jax.jit(step), make(), batch)
     f = jd.parallelize(step, method=jd.DataParallel())
     with warnings.catch_warnings():

@@ -77,7 +77,7 @@ def test_equinox_example_matches_serial(name):
   two steps' losses and the new parameters equal serial's."""
   params, static, opt_state, batch = equinox_mlp.make()
   serial = jax.jit(equinox_mlp.make_step(static))
-  step = jd.parallelize(equinox_mlp.make_step(static, jd.value_and_grad),
+  step = jd.parallelize(equinox_mlp.make_step(static),
                         method=equinox_mlp.METHODS[name], batch_argnums=(2,))
   got_params, _, got_opt, _ = equinox_mlp.make()  # a copy: the step donates what it updates
   for _ in range(2):

@@ -60,12 +60,12 @@ from jax import tree_util
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdist import coupling, errors
-from jaxdist.grad import SEEN
 from jaxdist import inspect as hlo_inspect
 from jaxdist import jaxpr_util, rng
 from jaxdist import methods as m
 from jaxdist.executable import (compare_collectives, compile_here, compile_layout, place,
                                 place_inputs)
+from jaxdist.grad import SEEN
 from jaxdist.mesh import LogicalMesh
 from jaxdist.pipeline import (capture, layers as layers_mod, per_device, predict, stage_shard,
                               timeline, transfer)
