@@ -316,7 +316,8 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
     env = dict(zip(grad_jaxpr.constvars, split.grad_jaxpr.consts))
     env.update((grad_jaxpr.invars[i], x) for i, x in zip(split.grad_inputs, values))
     jaxpr_util.eval_eqns(grad_jaxpr, env, split.grad_eqns, after=grad_after, before=grad_before)
-    outs = [jaxpr_util.read(env, v) for v in grad_marker_eqn.invars]
+    outs = [jnp.asarray(v.val, v.aval.dtype) if isinstance(v, jex.Literal)  # (aux 1.0)
+            else env[v] for v in grad_marker_eqn.invars]
     if normalizer is None:
       return outs, jnp.float32(0)
     d = jaxpr_util.read(env, normalizer)
@@ -411,7 +412,7 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
   # it, a ZeRO-3 parameter is this device's shard, and a reduction would mix the shards.
   at = {v: i for i, v in enumerate(grad_jaxpr.invars)}
   passed = {j: at[v] for j, v in enumerate(grad_marker_eqn.invars)
-            if v in at and step.inputs[at[v]].role != BATCH}
+            if not isinstance(v, jex.Literal) and v in at and step.inputs[at[v]].role != BATCH}
 
   def run(*leaves):
     marked = list(region(*[leaves[i] for i in split.grad_inputs]))

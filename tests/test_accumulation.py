@@ -566,3 +566,25 @@ def test_plain_gradients_jaxdist_cannot_own_are_left_to_xla():
       exe = f.get_executable(make(), batch)
     assert exe.traced_step.num_markers == 0
     assert_trees_close(_two_steps(f, make(), batch), expected, rtol=2e-5, atol=2e-6)
+
+
+def test_plain_gradient_call_shapes():
+  """``jax.grad(..., has_aux=True)`` whose aux is a Python constant (a literal in the
+  jaxpr: it crashed the per-device reduction) is jaxdist's; options passed by position
+  (``holomorphic``) leave the call jax's."""
+  w, batch = jnp.ones((8, 4)), {"x": jnp.linspace(0, 1, 128).reshape(16, 8)}
+
+  def constant_aux(w, batch):
+    g, aux = jax.grad(lambda w: (jnp.mean(jnp.tanh(batch["x"] @ w)), 1.0), has_aux=True)(w)
+    return w - 0.1 * g, aux
+
+  def positional(w, batch):
+    loss, g = jax.value_and_grad(lambda w: jnp.mean(jnp.tanh(batch["x"] @ w)), 0, False,
+                                 False)(w)
+    return w - 0.1 * g, loss
+
+  for step, marked in ((constant_aux, True), (positional, False)):
+    f = jd.parallelize(step, method=jd.DataParallel())
+    assert (f.get_executable(w, batch).traced_step.marker_index is not None) == marked
+    assert_trees_close(to_host(f(w, batch)), to_host(jax.jit(step)(w, batch)), rtol=1e-6,
+                       atol=1e-7)
