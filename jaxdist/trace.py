@@ -359,8 +359,11 @@ def with_micro_batch_trace(fun, args, static_argnums: tuple[int, ...], step: Tra
   leaves = tree_util.tree_leaves(tuple(args[i] for i in dyn_argnums))
   flat = [jax.ShapeDtypeStruct((info.shape[0] // divisor,) + info.shape[1:], info.dtype)
           if info.role == BATCH else x for x, info in zip(leaves, step.inputs)]
+  # Plain gradients are jaxdist's here as they were in ``step`` (a fallback stays one).
+  marked = any(jaxpr_util.count_primitive(step.closed_jaxpr.jaxpr, n)
+               for n in (grad_marker_p.name, capture.pipeline_loss_p.name))
   closed, _, _, marker_index, _ = _trace_flat(fun, args, dyn_argnums, step.in_tree, flat,
-                                              mark=step.num_markers > 0)
+                                              mark=marked)
   if tie_in_loops:
     closed = tie_recomputations(closed, in_loops=True)
   if inline:
