@@ -316,8 +316,8 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
     env = dict(zip(grad_jaxpr.constvars, split.grad_jaxpr.consts))
     env.update((grad_jaxpr.invars[i], x) for i, x in zip(split.grad_inputs, values))
     jaxpr_util.eval_eqns(grad_jaxpr, env, split.grad_eqns, after=grad_after, before=grad_before)
-    outs = [jnp.asarray(v.val, v.aval.dtype) if isinstance(v, jex.Literal)  # (aux 1.0)
-            else env[v] for v in grad_marker_eqn.invars]
+    # (as arrays: a literal, an aux of 1.0, is a Python number)
+    outs = [jnp.asarray(jaxpr_util.read(env, v), v.aval.dtype) for v in grad_marker_eqn.invars]
     if normalizer is None:
       return outs, jnp.float32(0)
     d = jaxpr_util.read(env, normalizer)

@@ -49,9 +49,7 @@ def _mark(value, aux, grads, has_value: bool, has_aux: bool):
   kinds = []
   for part, kind in zip(parts, part_kinds):
     kinds += [kind] * len(jax.tree.leaves(part))
-  calls = _MARKING.get()
-  plain = calls is not None and calls.inside  # a jax.grad call jaxdist made its own
-  return tree.unflatten(grad_marker_p.bind(*leaves, kinds=tuple(kinds), plain=plain))
+  return tree.unflatten(grad_marker_p.bind(*leaves, kinds=tuple(kinds)))
 
 
 def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,

@@ -174,10 +174,7 @@ def trace_step(fun, args: tuple, static_argnums: tuple[int, ...], batch_argnums:
 
   is_batch = [a in batch_argnums for a in argnum_of_leaf]
   closed, out_tree, out_paths, marker_index, num_markers = _trace_flat(
-      fun, args, dyn_argnums, in_tree, leaves)
-  if _differentiates_the_batch(closed, marker_index, leaves, is_batch):
-    closed, out_tree, out_paths, marker_index, num_markers = _trace_flat(
-        fun, args, dyn_argnums, in_tree, leaves, mark=False)
+      fun, args, dyn_argnums, in_tree, leaves, is_batch=is_batch)
   out_avals = tuple(v.aval for v in closed.jaxpr.outvars)
   sigs = [leaf_signature(x) for x in leaves]
 
@@ -272,13 +269,15 @@ def _check_batch_arguments(fun, args, dyn_argnums, in_tree, leaves, inputs, batc
       errors.JaxdistWarning, stacklevel=5)
 
 
-def _trace_flat(fun, args, dyn_argnums, in_tree, flat_args, mark: bool = True):
+def _trace_flat(fun, args, dyn_argnums, in_tree, flat_args, mark: bool = True,
+                is_batch=None):
   """make_jaxpr of ``fun`` on flat dynamic leaves (arrays or ShapeDtypeStructs).
 
   Returns (closed_jaxpr, out_tree, out_paths, marker_index, num_markers). When the
   step uses jaxdist.grad, jit bodies are inlined so that a marker inside a jitted helper
   is visible at the top level; one inside a loop or a custom_vjp stays hidden.
-  ``mark``: the step's own ``jax.grad`` calls are jaxdist's (:func:`marking_jax_grads`).
+  ``mark``: the step's own ``jax.grad`` calls are jaxdist's (:func:`marking_jax_grads`);
+  ``is_batch``: per leaf, whether it is batch data (None: not known).
   """
   out_store = {}
 
@@ -300,10 +299,10 @@ def _trace_flat(fun, args, dyn_argnums, in_tree, flat_args, mark: bool = True):
               if isinstance(x, jax.Array) else x for x in flat_args]
   with marking_jax_grads() if mark else contextlib.nullcontext(PlainCalls()) as plain_calls:
     closed = jax.make_jaxpr(flat_fun)(*abstract)
-  if plain_calls.count and not _one_top_level_gradient(closed):
-    # A plain jax.grad nested in a loop, a cond, a custom_vjp or called more than once:
-    # the step is traced again as written (XLA reduces its gradients). (A new function:
-    # make_jaxpr would return its cached trace of ``flat_fun``.)
+  if plain_calls.count and not _one_usable_gradient(closed, flat_args, is_batch):
+    # A plain jax.grad nested in a loop, a cond, a custom_vjp, called more than once or
+    # with respect to the batch: the step is traced again as written (XLA reduces its
+    # gradients). (A new function: make_jaxpr would return its cached trace of ``flat_fun``.)
     closed = jax.make_jaxpr(lambda *flat: flat_fun(*flat))(*abstract)
   marker_index = None
   num_markers = jaxpr_util.count_primitive(closed.jaxpr, grad_marker_p.name)
@@ -318,31 +317,22 @@ def _trace_flat(fun, args, dyn_argnums, in_tree, flat_args, mark: bool = True):
   return closed, out_store["tree"], out_store["paths"], marker_index, num_markers
 
 
-def _differentiates_the_batch(closed, marker_index, leaves, is_batch) -> bool:
-  """Whether the one gradient jaxdist made of a plain ``jax.grad`` has a result shaped
-  like a batch leaf and like no other input (a gradient with respect to the examples, an
-  adversarial or saliency step's): that is no partial sum the devices could add, so the
-  step is traced again as written."""
-  if marker_index is None or jaxpr_util.count_primitive(closed.jaxpr, grad_marker_p.name) != 1:
-    return False
-  marker = closed.jaxpr.eqns[marker_index]
-  if not marker.params.get("plain"):
-    return False
-  shapes = [np.shape(x) for x in leaves]
-  batch = {s for s, b in zip(shapes, is_batch) if b}
-  other = {s for s, b in zip(shapes, is_batch) if not b}
-  return any(kind == GRAD and v.aval.shape in batch and v.aval.shape not in other
-             for v, kind in zip(marker.invars, marker.params["kinds"]))
-
-
-def _one_top_level_gradient(closed) -> bool:
+def _one_usable_gradient(closed, flat_args, is_batch) -> bool:
   """Whether ``closed`` has one gradient (a marker, or a pipeline's captured loss), at its
-  top level once calls are inlined."""
+  top level once calls are inlined, and a marker has no gradient shaped like a batch leaf
+  and like no other input (a gradient with respect to the examples, an adversarial or
+  saliency step's: no partial sum the devices could add)."""
   names = (grad_marker_p.name, capture.pipeline_loss_p.name)
   if sum(jaxpr_util.count_primitive(closed.jaxpr, n) for n in names) != 1:
     return False
-  inlined = jaxpr_util.inline_calls(closed).jaxpr
-  return sum(len(jaxpr_util.find_eqns(inlined, n)) for n in names) == 1
+  found = [e for e in jaxpr_util.inline_calls(closed).jaxpr.eqns if e.primitive.name in names]
+  if len(found) != 1 or found[0].primitive is not grad_marker_p or is_batch is None:
+    return len(found) == 1
+  shapes = [tuple(x.shape) if hasattr(x, "shape") else np.shape(x) for x in flat_args]
+  batch = {s for s, b in zip(shapes, is_batch) if b}
+  other = {s for s, b in zip(shapes, is_batch) if not b}
+  return not any(kind == GRAD and v.aval.shape in batch and v.aval.shape not in other
+                 for v, kind in zip(found[0].invars, found[0].params["kinds"]))
 
 
 def with_micro_batch_trace(fun, args, static_argnums: tuple[int, ...], step: TracedStep,
@@ -362,8 +352,9 @@ def with_micro_batch_trace(fun, args, static_argnums: tuple[int, ...], step: Tra
   # Plain gradients are jaxdist's here as they were in ``step`` (a fallback stays one).
   marked = any(jaxpr_util.count_primitive(step.closed_jaxpr.jaxpr, n)
                for n in (grad_marker_p.name, capture.pipeline_loss_p.name))
-  closed, _, _, marker_index, _ = _trace_flat(fun, args, dyn_argnums, step.in_tree, flat,
-                                              mark=marked)
+  closed, _, _, marker_index, _ = _trace_flat(
+      fun, args, dyn_argnums, step.in_tree, flat, mark=marked,
+      is_batch=[info.role == BATCH for info in step.inputs])
   if tie_in_loops:
     closed = tie_recomputations(closed, in_loops=True)
   if inline:
