@@ -4,11 +4,11 @@ the global norm, so the stages' updates share a norm); every process prints the
 losses of two steps (the loss is made on the last stage, process 1, and comes back readable
 on every process) and the sum of every parameter after them, gathered onto all devices
 (every process gathers; each reads its own copy), and the loss of an evaluation step that
-follows the pipeline, on the gathered state. Then the same two steps under the SPMD
-runtime (one program over a (2 stages, 4 data) mesh, a stage per process, GPipe).
+follows the pipeline, on the gathered state.
 
-With the argument ``tied``, only a GPT with a tied embedding on three unequal stages
-(4 | 2 + 2 devices)."""
+With the argument ``spmd``, only the same two steps under the SPMD runtime (one program
+over a (2 stages, 4 data) mesh, a stage per process, GPipe); with ``tied``, only a GPT
+with a tied embedding on three unequal stages (4 | 2 + 2 devices)."""
 
 import dataclasses
 import json
@@ -53,6 +53,30 @@ def tied_embedding_pipeline():
   return out, float(np.asarray(table.addressable_data(0)).sum()), layout
 
 
+def spmd_pipeline():
+  """The losses of two steps under the SPMD runtime, every parameter's sum after them, and
+  the mesh it ran on."""
+  state = models.create_state(models.GPT(config), batch["tokens"][:, :-1], tx=tx)
+  spmd = jd.parallelize(models.lm_step(jd.value_and_grad), method=jd.PipeshardParallel(
+      num_micro_batches=2, pipeline_schedule="gpipe", runtime="spmd"))
+  losses = []
+  for _ in range(2):
+    state, metrics = spmd(state, batch)
+    losses.append(float(metrics["loss"]))
+  replicated = jax.sharding.NamedSharding(jax.sharding.Mesh(jax.devices(), ("all",)),
+                                          jax.sharding.PartitionSpec())
+  sums = jax.jit(lambda tree: [x.sum() for x in jax.tree.leaves(tree)],
+                 out_shardings=replicated)(state.params)
+  return (losses, [float(x.addressable_data(0)) for x in sums],
+          list(spmd.get_executable(state, batch).plan.mesh_shape))
+
+
+if sys.argv[1:] == ["spmd"]:
+  spmd_losses, spmd_sums, spmd_mesh = spmd_pipeline()
+  print("RESULT " + json.dumps({"spmd_losses": spmd_losses, "spmd_param_sums": spmd_sums,
+                                "spmd_mesh": spmd_mesh}))
+  sys.exit(0)
+
 if sys.argv[1:] == ["tied"]:
   tied_losses, tied_sum, tied_stages = tied_embedding_pipeline()
   print("RESULT " + json.dumps({"tied_losses": tied_losses, "tied_embedding_sum": tied_sum,
@@ -93,20 +117,6 @@ def eval_fn(state, batch):
 # An evaluation step that follows the pipeline, on the state gathered onto all devices.
 evaluate = jd.parallelize(eval_fn, method=jd.FollowParallel(step))
 eval_loss = float(evaluate(exe.gather(state), batch))
-state = models.create_state(models.GPT(config), batch["tokens"][:, :-1], tx=tx)
-spmd = jd.parallelize(models.lm_step(jd.value_and_grad), method=jd.PipeshardParallel(
-    num_micro_batches=2, pipeline_schedule="gpipe", runtime="spmd"))
-spmd_losses = []
-for _ in range(2):
-  state, metrics = spmd(state, batch)
-  spmd_losses.append(float(metrics["loss"]))
-replicated = jax.sharding.NamedSharding(jax.sharding.Mesh(jax.devices(), ("all",)),
-                                        jax.sharding.PartitionSpec())
-sums = jax.jit(lambda tree: [x.sum() for x in jax.tree.leaves(tree)],
-               out_shardings=replicated)(state.params)
 print("RESULT " + json.dumps({"losses": losses, "stage_processes": stage_processes,
                               "compiled_stages": compiled_stages,
-                              "eval_loss": eval_loss,
-                              "param_sums": param_sums, "spmd_losses": spmd_losses,
-                              "spmd_param_sums": [float(x.addressable_data(0)) for x in sums],
-                              "spmd_mesh": list(spmd.get_executable(state, batch).plan.mesh_shape)}))
+                              "eval_loss": eval_loss, "param_sums": param_sums}))

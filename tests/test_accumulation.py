@@ -102,7 +102,8 @@ def token_weighted_setup(batch_size=32, seq_len=16, tx=None, clamped=False):
 
 @pytest.mark.parametrize("method", [
     jd.Zero3Parallel(num_micro_batches=2),
-    jd.ShardParallel(logical_mesh_shape=(2, 4), num_micro_batches=2)],
+    pytest.param(jd.ShardParallel(logical_mesh_shape=(2, 4), num_micro_batches=2),
+                 marks=pytest.mark.slow)],  # (ShardParallel's weighting: the next test)
     ids=["zero3-k2", "shard-2x4-k2"])
 def test_token_weighted_losses_accumulate_to_the_full_batch_step(method):
   """Each micro-batch on each device divides by its own token count; combined weighted

@@ -64,16 +64,9 @@ def test_two_process_data_parallel_matches_single_process():
     np.testing.assert_allclose(result[name]["kernel_sum"], kernel_sum, rtol=1e-5, err_msg=name)
 
 
-def test_two_process_pipelines_with_one_stage_per_process_match_serial():
-  # The loss is made on process 1's last stage; process 0, where training loops log,
-  # reads it too.
-  result, stdout = _result("pipeline_worker.py", 1)
-  first, _ = _result_from(stdout, 0)
-  assert result["stage_processes"] == [[0], [1]]
-  assert first["losses"] == result["losses"]
-  # Each process compiles its own stage's programs only.
-  assert (first["compiled_stages"], result["compiled_stages"]) == ([0], [1])
-
+def _serial_gpt_steps():
+  """Two serial steps of pipeline_worker.py's GPT: (losses, every parameter's sum after
+  them, the evaluation loss then)."""
   config = models.GPTConfig(vocab=64, width=16, heads=2, depth=2, seq_len=16)
   batch = models.token_batch(16, config)
   tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1, momentum=0.9))
@@ -86,11 +79,32 @@ def test_two_process_pipelines_with_one_stage_per_process_match_serial():
   sums = [float(np.asarray(x).sum()) for x in jax.tree.leaves(state.params)]
   logits = state.apply_fn(state.params, batch["tokens"][:, :-1])
   eval_loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
+  return losses, sums, eval_loss
+
+
+def test_two_process_pipelines_with_one_stage_per_process_match_serial():
+  # The loss is made on process 1's last stage; process 0, where training loops log,
+  # reads it too.
+  result, stdout = _result("pipeline_worker.py", 1)
+  first, _ = _result_from(stdout, 0)
+  assert result["stage_processes"] == [[0], [1]]
+  assert first["losses"] == result["losses"]
+  # Each process compiles its own stage's programs only.
+  assert (first["compiled_stages"], result["compiled_stages"]) == ([0], [1])
+  losses, sums, eval_loss = _serial_gpt_steps()
   for run in (result, first):
     np.testing.assert_allclose(run["losses"], losses, rtol=1e-5)
     np.testing.assert_allclose(run["eval_loss"], eval_loss, rtol=1e-5)
     np.testing.assert_allclose(run["param_sums"], sums, rtol=1e-5, atol=1e-5)
-    # The SPMD runtime: one program, a stage per process, the same numbers.
+
+
+@pytest.mark.slow
+def test_a_two_process_spmd_pipeline_matches_serial():
+  """The SPMD runtime: one program over a (2 stages, 4 data) mesh, a stage per process."""
+  result, stdout = _result("pipeline_worker.py", 1, "spmd")
+  first, _ = _result_from(stdout, 0)
+  losses, sums, _ = _serial_gpt_steps()
+  for run in (result, first):
     assert run["spmd_mesh"] == [2, 4]
     np.testing.assert_allclose(run["spmd_losses"], losses, rtol=1e-5)
     np.testing.assert_allclose(run["spmd_param_sums"], sums, rtol=1e-5, atol=1e-5)

@@ -61,13 +61,14 @@ def _check_timeline(exe, tmp_path):
 
 @pytest.mark.parametrize("method,in_flight", [
     # embedding + 2 blocks | 2 blocks + head: unequal stages, from the model's boundaries
-    # (slow: 1F1B over two stages of a model's own layers runs in the fast suite as
-    # tests/test_examples.py's nnx pipeline)
+    # (slow, as the next: 1F1B runs in the fast suite as tests/test_examples.py's nnx
+    # pipeline, and interleaved below)
     pytest.param(jd.PipeshardParallel(num_micro_batches=4,
                                       stage_option=jd.UniformStageOption(num_stages=2)),
                  [2, 1], marks=pytest.mark.slow),
-    (jd.PipeshardParallel(num_micro_batches=4, layer_option=jd.AutoLayerOption(layer_num=4)),
-     [4, 3, 2, 1]),
+    pytest.param(jd.PipeshardParallel(num_micro_batches=4,
+                                      layer_option=jd.AutoLayerOption(layer_num=4)),
+                 [4, 3, 2, 1], marks=pytest.mark.slow),
     (jd.PipeshardParallel(num_micro_batches=4, layer_option=jd.AutoLayerOption(layer_num=4),
                           pipeline_schedule="gpipe", runtime="mpmd"), [4, 4, 4, 4]),
     # the stage DP chooses stages and sub-mesh sizes (on this small GPT: 1, 2, 4, 1 devices)

@@ -68,8 +68,8 @@ def _assert_predicted_as_compiled(exe):
     (lambda: _lm(models.MoELM), (2, 4), {}),
     # Its plans reshard a head-split value onto batch and sequence at once, which XLA does
     # by gathering it whole, and move two axes between dims in one all-to-all.
-    (lambda: _lm(models.MoELM, config=models.GPTConfig(vocab=1024, width=256, heads=8, depth=2,
-                                                       seq_len=64)), (4, 2), {}),
+    pytest.param(lambda: _lm(models.MoELM, config=models.GPTConfig(
+        vocab=1024, width=256, heads=8, depth=2, seq_len=64)), (4, 2), {}, marks=pytest.mark.slow),
     # Two sequences on 8 devices: the token ids are split over the sequence for the
     # embedding's gather; pinned replicated where they are made, the embedding gradient's
     # scatter reads them whole (unpinned, XLA carried the split into the scatter and
@@ -90,7 +90,9 @@ def test_predicted_collectives_match_the_compiled_module(workload, shape, costs)
 
 @pytest.mark.parametrize("workload,shape,k,costs", [
     (lambda: _mlp(jd.value_and_grad), (2, 4), 4, {}),
-    (lambda: _lm(models.GPT, value_and_grad=jd.value_and_grad), (2, 4), 4, {}),
+    # (slow: the GPT on 2x4 with 4 micro-batches runs in the fast suite as the last two)
+    pytest.param(lambda: _lm(models.GPT, value_and_grad=jd.value_and_grad), (2, 4), 4, {},
+                 marks=pytest.mark.slow),
     # Its embedding gradient (a scatter-add) is all-gathered over the data axis in one
     # step; with micro-batches it joins the gradients' one reduction after the loop.
     (lambda: _lm(models.GPT, optax.sgd(0.1, momentum=0.9), jd.value_and_grad,
