@@ -21,8 +21,10 @@ import jaxdist as jd
 from jaxdist import calibration, cli, errors, models
 from helpers import ScannedMLP, budgeted_gpt, dropout_net, make_step_script
 
-TOLERANCE = {"DataParallel": 0.02, "Zero2Parallel": 0.20, "Zero3Parallel": 0.20,
-             "ShardParallel": 0.20}
+# The bound is 10% (measured: 0.95x-1.07x of XLA's bytes for ZeRO and ShardParallel
+# on both workloads, with one and two micro-batches).
+TOLERANCE = {"DataParallel": 0.02, "Zero2Parallel": 0.10, "Zero3Parallel": 0.10,
+             "ShardParallel": 0.10}
 
 
 def _mlp():
@@ -360,7 +362,8 @@ def test_frozen_parameters_have_no_gradients_to_price(method):
   step = jd.parallelize(models.regression_step(jd.value_and_grad), method=method)
   est = jd.estimate(step, state, data, compile=True)
   compiled = est.compiled["total"]
-  assert abs(est.memory_per_device - compiled) <= TOLERANCE[est.method] / 4 * compiled, (
+  bound = {"DataParallel": 0.005, "ShardParallel": 0.05}[est.method]
+  assert abs(est.memory_per_device - compiled) <= bound * compiled, (
       est.summary())
   for kind in set(est.collectives) | set(est.compiled_collectives):
     p, c = est.collectives.get(kind), est.compiled_collectives.get(kind)
