@@ -74,7 +74,9 @@ class GradSplit:
   per_example: tuple[bool, ...] = ()
 
 
-_HEAVY = ("dot_general", "conv_general_dilated")
+# The equations that make a second pass over the batch expensive (and, under ZeRO-3, gather
+# the parameters they read).
+HEAVY = ("dot_general", "conv_general_dilated")
 
 
 def _heavy_batch_work(jaxpr, ids, step: TracedStep) -> bool:
@@ -84,7 +86,7 @@ def _heavy_batch_work(jaxpr, ids, step: TracedStep) -> bool:
   for i in sorted(ids):
     eqn = jaxpr.eqns[i]
     if any(not isinstance(v, jex.Literal) and v in tainted for v in eqn.invars):
-      if any(jaxpr_util.count_primitive(jaxpr, name, [i]) for name in _HEAVY):
+      if any(jaxpr_util.count_primitive(jaxpr, name, [i]) for name in HEAVY):
         return True
       tainted.update(eqn.outvars)
   return False

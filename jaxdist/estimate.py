@@ -35,7 +35,7 @@ import jax.extend.core as jex
 from jaxdist import calibration
 from jaxdist import jaxpr_util
 from jaxdist import methods as m
-from jaxdist.accumulate import per_example_outputs, split_at_marker
+from jaxdist.accumulate import HEAVY, per_example_outputs, split_at_marker
 from jaxdist.coupling import token_weighted
 from jaxdist.grad import GRAD
 from jaxdist.liveness import Timeline
@@ -624,7 +624,9 @@ def _split_reductions(traced, layout, lmesh) -> list[tuple[float, Any]]:
 def _gathers(traced, layout, lmesh) -> list[tuple[Any, int]]:
   """ZeRO-3's sharded parameters with how often each is all-gathered per step: once
   before every equation of the gradient part reading it, per micro-batch, where the
-  parameters are streamed (``jaxdist.accumulate``); else twice (forward and backward)."""
+  parameters are streamed (``jaxdist.accumulate``), and once more for every matmul or
+  convolution after the gradients reading it (a loss evaluated again after the update:
+  XLA gathers the parameter for it); else twice (forward and backward)."""
   sharded = [(k, l) for k, (l, spec) in enumerate(zip(traced.inputs, layout.in_specs))
              if l.role == PARAM and _shards(spec, lmesh) > 1]
   if not layout.stream_inputs or traced.marker_index is None:
@@ -637,7 +639,22 @@ def _gathers(traced, layout, lmesh) -> list[tuple[Any, int]]:
   for i in split.grad_eqns:
     for v in {v for v in grad_jaxpr.eqns[i].invars if not isinstance(v, jex.Literal)}:
       reads[v] += 1
-  return [(l, reads[grad_jaxpr.invars[k]] * layout.num_micro_batches) for k, l in sharded]
+  # After the gradients: a parameter, or its update (elementwise, held split alike), read
+  # by a matmul or convolution.
+  jaxpr = traced.closed_jaxpr.jaxpr
+  held = {jaxpr.invars[k]: k for k, _ in sharded}
+  after = collections.Counter()
+  for i in sorted(split.apply_eqns):
+    eqn = jaxpr.eqns[i]
+    ins = {held[v] for v in eqn.invars if not isinstance(v, jex.Literal) and v in held}
+    if not ins:
+      continue
+    if any(jaxpr_util.count_primitive(jaxpr, name, [i]) for name in HEAVY):
+      after.update(ins)
+    elif eqn.primitive.name in ELEMENTWISE and len(ins) == 1:
+      held.update((o, *ins) for o in eqn.outvars)
+  return [(l, reads[grad_jaxpr.invars[k]] * layout.num_micro_batches + after[k])
+          for k, l in sharded]
 
 
 def _shard_parallel(planned):

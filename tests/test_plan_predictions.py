@@ -239,6 +239,27 @@ def test_zero3_gathers_stay_inside_the_micro_batch_loop():
           exes[4].check_communication())
 
 
+def test_zero3_predicts_the_gathers_of_a_loss_evaluated_after_the_update():
+  """A step that reports the loss at the updated weights reads them in matmuls after the
+  gradients: XLA gathers each again there (5 all-gathers compiled against 3 predicted)."""
+  w = (jax.random.normal(jax.random.key(4), (16, 32)) * 0.1,
+       jax.random.normal(jax.random.key(5), (32, 4)) * 0.1)
+  x = jax.random.normal(jax.random.key(6), (64, 16))
+  batch = {"x": x, "y": jnp.tanh(x[:, :4])}
+
+  def step(w, batch):
+    f = lambda a, b: jnp.mean((jnp.tanh(batch["x"] @ a) @ b - batch["y"]) ** 2)
+    ga, gb = jax.grad(f, argnums=(0, 1))(*w)
+    new = (w[0] - 0.1 * ga, w[1] - 0.1 * gb)
+    return new, f(*new)
+
+  with pytest.warns(errors.JaxdistWarning, match="outside jaxdist.grad"):
+    exe = jd.parallelize(step, method=jd.Zero3Parallel()).get_executable(w, batch)
+  lines = exe.check_communication()
+  assert not [line for line in lines if "DIFFERS" in line], lines
+  assert exe.plan.predicted_collectives["all-gather"]["count"] == 5, lines
+
+
 @pytest.mark.parametrize("method", [jd.Zero2Parallel(), jd.Zero3Parallel(num_micro_batches=2)],
                          ids=["zero2", "zero3-k2"])
 def test_zero_predicts_the_update_s_reductions_over_split_state(method):
