@@ -98,7 +98,8 @@ def test_token_counts_clamped_against_zero_are_normalizers(loss, mask, found):
   assert (normalizer_of(jaxpr.eqns, jaxpr.outvars[0], set()) is not None) == found
 
 
-@pytest.mark.parametrize("method", [jd.Zero2Parallel(), jd.Zero3Parallel()], ids=["zero2", "zero3"])
+@pytest.mark.parametrize("method", [pytest.param(jd.Zero2Parallel(), marks=pytest.mark.slow),
+                                    jd.Zero3Parallel()], ids=["zero2", "zero3"])
 def test_zero_updates_a_batch_norm_step_s_adam_moments_on_their_shards(method):
   """Planned as one program, the update followed the gradient's layout: XLA gathered
   both Adam moments of every leaf (twice the parameters' bytes) instead of the update

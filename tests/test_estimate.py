@@ -262,7 +262,8 @@ class _LSTMClassifier(nn.Module):
 @pytest.mark.parametrize("method,steps,tolerance", [
     (jd.DataParallel(), 40, 0.10),
     (jd.ShardParallel(logical_mesh_shape=(8,)), 40, 0.10),
-    (jd.ShardParallel(logical_mesh_shape=(8,), num_micro_batches=4), 16, 0.17),
+    pytest.param(jd.ShardParallel(logical_mesh_shape=(8,), num_micro_batches=4), 16, 0.17,
+                 marks=pytest.mark.slow),
     (jd.Zero3Parallel(num_micro_batches=4), 16, 0.10),
 ], ids=["dp", "shard", "shard-k4", "zero3-k4"])
 def test_an_lstm_is_estimated(method, steps, tolerance):
@@ -316,6 +317,7 @@ def test_an_update_under_lax_cond_is_estimated():
   assert abs(est.memory_per_device / est.compiled["total"] - 1) <= 0.05, est.summary()
 
 
+@pytest.mark.slow
 def test_a_micro_batched_shard_plan_counts_the_copies_made_before_its_loop():
   """Under a memory budget this first plan splits Adam's moments but updates them whole:
   XLA all-gathers ``b1 * mu`` and ``b2 * nu`` before the micro-batch loop and keeps them

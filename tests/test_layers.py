@@ -81,7 +81,7 @@ def test_automatic_layers_are_balanced_and_cut_where_little_crosses():
 
 @pytest.mark.parametrize("construction,method", [
     ("automatic", jd.DataParallel(num_micro_batches=2)),
-    ("manual", jd.ShardParallel(logical_mesh_shape=(2, 4))),
+    pytest.param("manual", jd.ShardParallel(logical_mesh_shape=(2, 4)), marks=pytest.mark.slow),
 ], ids=["automatic-dp-k2", "manual-shard-2x4"])
 def test_remat_layers_match_serial_and_save_memory(construction, method):
   make, batch = _gpt(depth=2, mark_boundaries=construction == "manual")

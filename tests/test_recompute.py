@@ -13,7 +13,7 @@ from jaxdist import errors, models
 from helpers import assert_trees_close, dropout_net
 
 
-def _gpt(depth=4):
+def _gpt(depth=2):
   config = models.GPTConfig(vocab=128, width=64, heads=4, depth=depth, seq_len=128)
   batch = models.token_batch(32, config)
   make = lambda: models.create_state(models.GPT(config), batch["tokens"][:, :-1],
@@ -32,7 +32,7 @@ def _serial_and_plain_temp_bytes():
 
 @pytest.mark.parametrize("names", [  # (the fast suite matches a class name: the last)
     pytest.param("Block", marks=pytest.mark.slow),
-    pytest.param("block_1,block_3", marks=pytest.mark.slow),
+    pytest.param("block_0,block_1", marks=pytest.mark.slow),
     "MultiHeadDotProductAttention_0"])
 def test_recompute_matches_serial_and_saves_temp_bytes(names):
   make, batch = _gpt()
@@ -67,7 +67,7 @@ def test_recompute_modules_must_name_something(bad):
 
 
 def test_recompute_works_under_shard_parallel():
-  make, batch = _gpt(depth=2)
+  make, batch = _gpt()
   expected = jax.jit(models.lm_step())(make(), batch)
   step = jd.parallelize(models.lm_step(jd.value_and_grad),
                         method=jd.ShardParallel(logical_mesh_shape=(8,), recompute_modules="Block"))

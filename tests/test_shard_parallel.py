@@ -607,6 +607,7 @@ def test_scanned_layers_are_planned_inside():
   assert_trees_close(f(state, batch), jax.jit(step)(state, batch), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_scanned_remat_layers_recompute_with_micro_batches():
   """With micro-batches the step compiles with its scans unrolled; each layer's
   recomputation must still wait for its cotangent. Untied, XLA recomputed every layer

@@ -34,7 +34,9 @@ KEY = jax.random.key(0)
 
 @pytest.mark.parametrize("method", [
     jd.DataParallel(), jd.Zero3Parallel(), jd.ShardParallel(logical_mesh_shape=(2, 4)),
-    jd.PipeshardParallel(num_micro_batches=2, layer_option=jd.AutoLayerOption(layer_num=2))],
+    pytest.param(jd.PipeshardParallel(num_micro_batches=2,
+                                      layer_option=jd.AutoLayerOption(layer_num=2)),
+                 marks=pytest.mark.slow)],  # (a pipeline's state: the checkpoint test below)
     ids=["dp", "zero3", "shard", "pipeshard"])
 def test_state_is_born_in_the_step_layout(method):
   step = jd.parallelize(models.lm_step(jd.value_and_grad), method=method)
