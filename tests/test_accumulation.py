@@ -293,7 +293,8 @@ def test_dropout_masks_are_the_full_batch_steps(method):
 
 @pytest.mark.parametrize("setup,step_fn,mesh_shape", [
     (_mlp_setup, models.regression_step, None),       # mesh shape searched
-    (_gpt_setup, models.lm_step, (2, 4)),             # model axis auto inside the loop
+    pytest.param(_gpt_setup, models.lm_step, (2, 4),  # model axis auto inside the loop
+                 marks=pytest.mark.slow),
 ], ids=["mlp", "gpt-2x4"])
 def test_shard_parallel_four_micro_batches_equal_the_full_batch_step(setup, step_fn, mesh_shape):
   make, batch = setup()

@@ -69,6 +69,7 @@ def test_tiny_suites_run_every_method_and_match_serial(suite, tmp_path):
   assert table[0]["model"] == f"{suite}-tiny"
 
 
+@pytest.mark.slow
 def test_a_row_for_the_method_tune_picks(tmp_path):
   """``--tune SECONDS``: jd.tune walks the model's candidates for that long (here only its
   first, DataParallel, starts: 50 ms is more than the walk takes to reach its first

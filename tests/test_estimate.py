@@ -496,7 +496,8 @@ def test_a_tied_output_layer_and_cross_entropy_are_sized_as_xla_folds_them():
   assert abs(est.memory_per_device - compiled) <= 0.10 * compiled, est.summary()
 
 
-@pytest.mark.parametrize("workload", [_mlp, _gpt], ids=["mlp", "gpt"])
+@pytest.mark.parametrize("workload", [_mlp, pytest.param(_gpt, marks=pytest.mark.slow)],
+                         ids=["mlp", "gpt"])
 def test_pipeline_estimate_per_stage(workload):
   """Each stage's peak: its backward program (per-device stages walked on their own
   trace), the inputs of micro-batches in flight (GPipe holds more than 1F1B) and the

@@ -419,6 +419,7 @@ def test_batch_dim_forcing_and_no_replicated_parameters():
       assert entry.spec != P(), entry.path
 
 
+@pytest.mark.slow  # (planning time: bench/plan_time.py measures it)
 def test_identical_blocks_share_one_solution(monkeypatch):
   from jaxdist.shard import planner
   sizes, real = {}, planner.solve_ilp
