@@ -527,22 +527,6 @@ def _updates_per_leaf(timeline: Timeline, marker_position: int) -> bool:
   return True
 
 
-def _update_as_produced(timeline: Timeline, marker) -> None:
-  """Ends each gradient where it is complete: XLA updates a leaf as soon as its gradient
-  is made where each update reads one gradient (:func:`_updates_per_leaf`), and the
-  update writes into the step's output buffers."""
-  pm = timeline.position[id(marker)]
-  written = {}
-  for pos, (_, _, outs) in enumerate(timeline.eqns[:pm]):
-    for o in outs:
-      written[timeline.buffer_of(o)] = pos
-  for v, kind in zip(marker.invars, marker.params["kinds"]):
-    b = timeline.buffer_of(v)
-    if kind == GRAD and b in timeline.buffers:
-      first, _, nb = timeline.buffers[b]
-      timeline.buffers[b] = [first, written.get(b, first), nb]
-
-
 def fixed_layout_collectives(method, traced, layout, lmesh):
   """The per-step collectives of the fixed layouts: gradients all-reduced or, where the
   layout reduce-scatters them (ZeRO through ``jaxdist.grad``), reduce-scattered; ZeRO's
@@ -678,8 +662,6 @@ def _shard_parallel(planned):
   written = sum(b for _, _, b in timeline.buffers.values())
   marker = next((e for e, _, _ in timeline.eqns
                  if e.primitive.name == jaxpr_util.IDENTITY_MARKER), None)
-  if marker is not None and _updates_per_leaf(timeline, timeline.position[id(marker)]):
-    _update_as_produced(timeline, marker)
   labels, early = {}, collections.Counter()
   for n, (end, b, readers) in enumerate(_early_copies(result, timeline, marker)):
     timeline.add(("early copy", n), 0, end, b)
