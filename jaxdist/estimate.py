@@ -636,7 +636,8 @@ def _gathers(traced, layout, lmesh) -> list[tuple[Any, int]]:
     if any(jaxpr_util.count_primitive(jaxpr, name, [i]) for name in HEAVY):
       after.update(ins)
     elif eqn.primitive.name in ELEMENTWISE and len(ins) == 1:
-      held.update((o, *ins) for o in eqn.outvars)
+      (k,) = ins
+      held.update((o, k) for o in eqn.outvars)
   return [(l, reads[grad_jaxpr.invars[k]] * layout.num_micro_batches + after[k])
           for k, l in sharded]
 
