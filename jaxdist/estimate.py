@@ -498,7 +498,7 @@ def _split_step(planned, closed, size=nbytes, gathered_inputs=None, hoisted=None
     labels["reduced"] = "grads"
     why = ("the step mixes examples beyond the loss's mean, so gradients are computed over "
            "the whole batch" if markers else
-           "jaxdist does not see the step's gradient (a jax.grad bound before the step "
+           "jaxdist does not see the step's gradient (a jax.grad bound elsewhere before the step "
            "runs, or taken in a loop or more than once), so it is not known by name")
     notes.append(f"approximate: {why} and XLA lays out their reduction itself; the reduced "
                  "gradients are counted at the backward's peak (measured from 0.8x to 3x of "

@@ -10,7 +10,9 @@ captured as one equation that the pipeline runs stage by stage (``jaxdist.pipeli
 
 A step written with plain ``jax.grad`` / ``jax.value_and_grad`` gets the same: while
 jaxdist traces a step (:func:`marking_jax_grads`), those two names of the ``jax`` module
-are jaxdist's. ``from jax import grad`` binds jax's own function and is not affected.
+are jaxdist's, and so are the names of the step's module bound to them (``from jax import
+grad``). A function bound elsewhere before the step runs (a default argument, another
+module's name) stays jax's.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ jax_grad, jax_value_and_grad = jax.grad, jax.value_and_grad
 
 # For error messages: which gradients jaxdist sees.
 SEEN = ("jaxdist sees the gradient of a step that calls jax.grad / jax.value_and_grad by "
-        "that name exactly once, at its top level (not a function bound before the step "
-        "runs, as `from jax import value_and_grad` or a default argument binds it), or "
+        "that name, or by a name the step's module binds to them (`from jax import grad`), "
+        "exactly once, at its top level (not a function bound elsewhere before the step "
+        "runs, as a default argument or another module's import binds it), or "
         "jaxdist.grad / jaxdist.value_and_grad (same signature)")
 
 
@@ -119,24 +122,31 @@ _MARKING: contextvars.ContextVar[PlainCalls | None] = contextvars.ContextVar(
     "jaxdist_marking", default=None)
 _lock = threading.Lock()
 _patched = 0  # traces (in any thread) under marking_jax_grads
+_rebound: list[tuple[dict, str, Callable]] = []  # module globals made jaxdist's meanwhile
 
 
 @contextlib.contextmanager
-def marking_jax_grads():
+def marking_jax_grads(fun: Callable | None = None):
   """While active, ``jax.grad`` / ``jax.value_and_grad`` called in this context (not in
   a nested one: a gradient inside a differentiated function stays jax's) are
   :func:`grad` / :func:`value_and_grad`, so that a plain step gets what ``jaxdist.grad``
-  gives: gradients reduced once per step, accumulation, recomputation, pipelines. Yields
-  the :class:`PlainCalls` it made jaxdist's; the caller decides whether the marked trace
-  is usable (one call, at the step's top level). Other threads see jax's functions."""
+  gives: gradients reduced once per step, accumulation, recomputation, pipelines. So are
+  the names of ``fun``'s module bound to them (``from jax import value_and_grad``).
+  Yields the :class:`PlainCalls` it made jaxdist's; the caller decides whether the marked
+  trace is usable (one call, at the step's top level). Other threads see jax's functions."""
   global _patched
   calls = PlainCalls()
   token = _MARKING.set(calls)
   with _lock:
     if _patched == 0:
-      jax.grad, jax.value_and_grad = _marking(grad, jax_grad), _marking(value_and_grad,
-                                                                         jax_value_and_grad)
+      jax.grad, jax.value_and_grad = _MARKING_GRAD, _MARKING_VALUE_AND_GRAD
     _patched += 1
+    for namespace in _module_namespaces(fun):
+      for name, value in list(namespace.items()):
+        marking = _MARKING_OF.get(id(value))
+        if marking is not None and value is marking[0]:
+          namespace[name] = marking[1]
+          _rebound.append((namespace, name, value))
   try:
     yield calls
   finally:
@@ -145,6 +155,28 @@ def marking_jax_grads():
       _patched -= 1
       if _patched == 0:
         jax.grad, jax.value_and_grad = jax_grad, jax_value_and_grad
+        for namespace, name, value in _rebound:
+          if namespace.get(name) is _MARKING_OF[id(value)][1]:
+            namespace[name] = value
+        _rebound.clear()
+
+
+def _module_namespaces(fun) -> list[dict]:
+  """The globals of the Python functions ``fun`` is or wraps (``functools.partial``,
+  ``__wrapped__`` as ``jax.jit`` sets it, a bound method's function)."""
+  namespaces, seen = [], set()
+  while fun is not None and id(fun) not in seen:
+    seen.add(id(fun))
+    if isinstance(fun, functools.partial):
+      fun = fun.func
+      continue
+    fun = getattr(fun, "__func__", fun)
+    namespace = getattr(fun, "__globals__", None)
+    if (isinstance(namespace, dict) and namespace is not globals()
+        and all(namespace is not n for n in namespaces)):
+      namespaces.append(namespace)
+    fun = getattr(fun, "__wrapped__", None)
+  return namespaces
 
 
 def _marking(marked: Callable, plain: Callable) -> Callable:
@@ -169,3 +201,9 @@ def _marking(marked: Callable, plain: Callable) -> Callable:
     return run
 
   return transform
+
+
+_MARKING_GRAD = _marking(grad, jax_grad)
+_MARKING_VALUE_AND_GRAD = _marking(value_and_grad, jax_value_and_grad)
+_MARKING_OF = {id(jax_grad): (jax_grad, _MARKING_GRAD),
+               id(jax_value_and_grad): (jax_value_and_grad, _MARKING_VALUE_AND_GRAD)}

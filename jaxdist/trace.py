@@ -297,7 +297,7 @@ def _trace_flat(fun, args, dyn_argnums, in_tree, flat_args, mark: bool = True,
   # would clash with its manual axes.
   abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False))
               if isinstance(x, jax.Array) else x for x in flat_args]
-  with marking_jax_grads() if mark else contextlib.nullcontext(PlainCalls()) as plain_calls:
+  with marking_jax_grads(fun) if mark else contextlib.nullcontext(PlainCalls()) as plain_calls:
     closed = jax.make_jaxpr(flat_fun)(*abstract)
   if plain_calls.count and not _one_usable_gradient(closed, flat_args, is_batch):
     # A plain jax.grad nested in a loop, a cond, a custom_vjp, called more than once or
