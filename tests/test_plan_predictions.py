@@ -747,6 +747,34 @@ def test_an_unrolled_scan_s_stacked_outputs_move_as_one():
   _assert_predicted_as_compiled(exe)
 
 
+class _LSTMRegressor(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(1)(nn.RNN(nn.OptimizedLSTMCell(256))(x)[:, -1])[:, 0]
+
+
+def test_a_concatenation_in_the_program_reshards_each_operand():
+  """``OptimizedLSTMCell`` concatenates its four gate kernels; the plan keeps them split
+  and gathers them for the recurrence. XLA gathers each kernel, not the joined one
+  (predicted 10 all-gathers before, 12 compiled: 8 in the loop, 4 kernels)."""
+  x = jax.random.normal(jax.random.key(0), (32, 8, 4))
+  batch = {"x": x, "y": jnp.sum(x, (1, 2))}
+  tx = optax.adam(1e-2)
+  params = _LSTMRegressor().init(jax.random.key(1), x)
+
+  def step(state, batch):
+    params, opt = state
+    loss, grads = jax.value_and_grad(
+        lambda p: jnp.mean((_LSTMRegressor().apply(p, batch["x"]) - batch["y"]) ** 2))(params)
+    updates, opt = tx.update(grads, opt, params)
+    return (optax.apply_updates(params, updates), opt), loss
+
+  exe = jd.parallelize(step, method=jd.ShardParallel(devices=_mesh((8,), {}))).get_executable(
+      (params, tx.init(params)), batch)
+  assert exe.communication()["all-gather"].count == 12
+  _assert_predicted_as_compiled(exe)
+
+
 class _PooledCNN(nn.Module):
   @nn.compact
   def __call__(self, x):

@@ -186,14 +186,29 @@ class StrategyGraph:
 
   def _joined_first(self, flow: Flow, have, want) -> bool:
     """Whether ``flow`` is one operand of a concatenation that XLA joins before it moves:
-    operands split alike, but not along the joined dim, are concatenated where they are
-    and the result is resharded once (an unrolled scan's stacked outputs: one all-gather
-    of the stack, not one per iteration)."""
+    the stack of a scan the planner unrolled and the step compiles as a loop (each
+    operand made in one iteration) is written in place by the loop, and if the operands
+    are split alike, but not along the joined dim, it is resharded once (a GRU's outputs:
+    one all-gather of the stack, not one per iteration). A concatenation in the compiled
+    program reshards each operand (an LSTM cell's four gate kernels, gathered for the
+    recurrence: one all-gather per kernel)."""
     eqn = self.nodes[flow.dst].eqn
-    if eqn is None or eqn.primitive.name != "concatenate" or have == want:
+    if (eqn is None or eqn.primitive.name != "concatenate" or have == want
+        or not self._made_in_loop(flow.src)):
       return False
     dim = eqn.params["dimension"]
     return len(have) > dim and not have[dim] and not want[dim]
+
+  def _made_in_loop(self, k: int) -> bool:
+    """Whether node ``k`` runs in a loop iteration of the compiled program, or reshapes
+    such a value (the stack of an unrolled scan reshapes each iteration's output)."""
+    node = self.nodes[k]
+    while node.region is None and node.eqn is not None and node.eqn.primitive.name == "reshape":
+      operand = node.eqn.invars[0]
+      if operand not in self.producer:
+        return False
+      node = self.nodes[self.producer[operand][0]]
+    return node.region is not None
 
   def _rearranged_from_moved(self, flow: Flow, want, choice, moved) -> bool:
     """Whether XLA gets ``flow``'s value in ``want`` without a collective: the value is a
