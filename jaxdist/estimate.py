@@ -451,8 +451,9 @@ def _split_step(planned, closed, size=nbytes, gathered_inputs=None, hoisted=None
         timeline.add(("reduced", i), pm, end, reduced)
       labels[b] = labels[("reduced", i)] = "grads"
     if k > 1 and starts:
-      # (on one device the accumulator is the gradient the update reads)
-      timeline.add("accumulator", min(starts), pm if batch_shards > 1 else max(ends), local)
+      # The micro-batch loop's carry: alive through every micro-batch's forward and
+      # backward. (On one device the accumulator is the gradient the update reads.)
+      timeline.add("accumulator", 0, pm if batch_shards > 1 else max(ends), local)
       labels["accumulator"] = "grads"
     if gathered_inputs:
       # Inputs the plan splits over the batch axes enter the gradient part gathered over
