@@ -146,6 +146,19 @@ class Timeline:
       if bitcast[i]:
         for o, v in zip(outs, ins):
           self._owner[o] = v
+    # The same slice of an input taken again (an unrolled scan's backward slicing each
+    # layer's weights from the stack once more) is one value: XLA's CSE merges them,
+    # unless the scans compile as loops (``regions``: each loop slices its own).
+    sliced: dict = {}
+    for i, (eqn, ins, outs) in enumerate(self.eqns):
+      if (eqn.primitive.name == "slice" and ins and ins[0] in inputs
+          and (regions is None or regions(eqn) is None)):
+        key = (ins[0], tuple(sorted((k, str(v)) for k, v in eqn.params.items())))
+        if key in sliced:
+          bitcast[i] = True
+          self._owner[outs[0]] = sliced[key]
+        else:
+          sliced[key] = outs[0]
     outputs = {self.buffer_of(v) for v in jaxpr.outvars if not isinstance(v, jex.Literal)}
     unstacked = self._slices_of_stacks(bitcast, outputs) if unrolled else set()
     # A fused result is recomputed inside each reader's fusion: its operands stay live
