@@ -249,6 +249,10 @@ def test_runtime_choice_and_errors():
   # The estimator models the driver's pipeline and says so where SPMD would run.
   est = jd.estimate(auto, params, data)
   assert est.approximate and "SPMD pipeline runtime" in est.notes[0], est.notes
+  # A dry run compiles the modelled driver's programs and, beside them, the program that runs.
+  est = jd.estimate(auto, params, data, compile=True)
+  spmd = auto.get_executable(params, data).get_total_allocation_size()
+  assert est.compiled["spmd_program"] == spmd and "the SPMD program this step runs" in est.notes[1]
   assert step().get_executable(params, data).plan.notes[0] == (
       "runtime mpmd: pipeline_schedule='1f1b' runs on the MPMD driver (its 1F1B idles p - 1 "
       "clocks per step, the SPMD runtime's lockstep 1F1B 2(p - 1); runtime='spmd' takes it)")

@@ -179,6 +179,14 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
   if compiled_exe is not None:
     peaks = compiled_exe.device_peaks()
     compiled = dict(total=max(peaks.values()), **peaks)
+    if exe.spmd_runtime:  # and the program that does run, beside the modelled one
+      start = time.perf_counter()
+      compiled["spmd_program"] = float(func.get_executable(*args).get_total_allocation_size())
+      timings["compile_s"] += time.perf_counter() - start
+      notes.insert(1, f"compiled, the SPMD program this step runs needs "
+                   f"{compiled['spmd_program'] / 2**20:.2f} MiB per device, "
+                   f"{compiled['spmd_program'] / max(memory, 1):.2f}x these figures "
+                   f"(`compiled['spmd_program']`)")
   timings["estimate_s"] = time.perf_counter() - start
   return Estimate(method.name, memory, breakdown,
                   compute + communication, compute, communication, collectives, plan,
