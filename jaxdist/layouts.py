@@ -83,7 +83,9 @@ def check_batch_divisible(step: TracedStep, parts: int, what: str) -> None:
     if not leaf.shape:
       raise errors.BatchDivisibilityError(
           f"batch argument leaf {leaf.path} is a scalar; batch leaves need a leading batch "
-          f"dimension. Remove argument {leaf.argnum} from batch_argnums or give it one.")
+          f"dimension. Remove argument {leaf.argnum} from batch_argnums or give it one; a "
+          f"value the whole batch shares (a random key, a step count) can be an argument of "
+          f"its own.")
     if leaf.shape[0] % parts:
       raise errors.BatchDivisibilityError(
           f"batch argument leaf {leaf.path} has shape {leaf.shape}: dim 0 = {leaf.shape[0]} "
