@@ -576,7 +576,9 @@ def _split_reductions(traced, layout, lmesh) -> list[tuple[float, Any]]:
   """(result bytes, dtype) of each reduction the update makes across a split dimension of
   the state or the reduce-scattered gradients (global-norm clipping's sums of squares,
   LAMB's norms): the partial results are all-reduced. Splits are followed through
-  elementwise equations only; values that other equations make count as whole."""
+  elementwise equations and into the branches of a ``cond`` (``optax.MultiSteps``
+  updates under one: XLA compiles both branches' collectives); values that other
+  equations make count as whole."""
   jaxpr = traced.closed_jaxpr.jaxpr
   marker = jaxpr.eqns[traced.marker_index]
   dims = lambda spec: frozenset(d for d, a in enumerate(spec) if a is not None)
@@ -585,12 +587,24 @@ def _split_reductions(traced, layout, lmesh) -> list[tuple[float, Any]]:
   split.update((v, dims(spec)) for v, spec in zip(marker.outvars, layout.grad_reduce_specs)
                if spec is not None and _shards(spec, lmesh) > 1)
   out = []
-  for eqn in jaxpr.eqns[traced.marker_index + 1:]:
+  _follow_splits(jaxpr.eqns[traced.marker_index + 1:], split, out)
+  return out
+
+
+def _follow_splits(eqns, split: dict, out: list) -> None:
+  """:func:`_split_reductions`' walk over ``eqns``: ``split`` maps a value to its split
+  dimensions (updated); each reduction across one is appended to ``out``."""
+  for eqn in eqns:
     ins = [(v, split[v]) for v in eqn.invars if not isinstance(v, jex.Literal) and v in split]
     if not ins:
       continue
     name = eqn.primitive.name
-    if name in ELEMENTWISE:
+    if name == "cond":
+      for branch in eqn.params["branches"]:
+        inner = {b: split[v] for b, v in zip(branch.jaxpr.invars, eqn.invars[1:])
+                 if not isinstance(v, jex.Literal) and v in split}
+        _follow_splits(branch.jaxpr.eqns, inner, out)
+    elif name in ELEMENTWISE:
       shape = eqn.outvars[0].aval.shape
       found = next((d for v, d in ins if v.aval.shape == shape), None)
       if found is not None:
@@ -603,7 +617,6 @@ def _split_reductions(traced, layout, lmesh) -> list[tuple[float, Any]]:
       rest = frozenset(kept.index(d) for d in held - axes)
       if rest:
         split[eqn.outvars[0]] = rest
-  return out
 
 
 def _gathers(traced, layout, lmesh) -> list[tuple[Any, int]]:

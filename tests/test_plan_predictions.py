@@ -260,15 +260,19 @@ def test_zero3_predicts_the_gathers_of_a_loss_evaluated_after_the_update():
   assert exe.plan.predicted_collectives["all-gather"]["count"] == 5, lines
 
 
-@pytest.mark.parametrize("method", [jd.Zero2Parallel(), jd.Zero3Parallel(num_micro_batches=2)],
-                         ids=["zero2", "zero3-k2"])
-def test_zero_predicts_the_update_s_reductions_over_split_state(method):
+@pytest.mark.parametrize("method,multi_steps", [
+    (jd.Zero2Parallel(), False), (jd.Zero3Parallel(num_micro_batches=2), False),
+    (jd.Zero2Parallel(), True)], ids=["zero2", "zero3-k2", "zero2-multi-steps"])
+def test_zero_predicts_the_update_s_reductions_over_split_state(method, multi_steps):
   """Global-norm clipping sums squares over ZeRO's split gradients: XLA all-reduces the
   partial sums (one combined all-reduce with the loss: 36 B), which were not predicted. A
   per-example aux output (the predictions) stays where its rows are; it was predicted
-  all-reduced (8196 B predicted before)."""
+  all-reduced (8196 B predicted before). Under ``optax.MultiSteps`` the clipping runs in a
+  ``cond``'s branch, whose sums were not predicted (4 B predicted, 36 B compiled)."""
   data = models.regression_batch(32, 64, out=64)
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
+  if multi_steps:
+    tx = optax.MultiSteps(tx, every_k_schedule=2)
   state = models.create_state(models.MLP(hidden=64, num_layers=3, out=64), data["x"], tx=tx)
 
   def step(state, batch):
