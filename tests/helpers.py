@@ -29,6 +29,20 @@ def assert_trees_close(actual, expected, rtol, atol):
     np.testing.assert_allclose(actual[path], e, rtol=rtol, atol=atol, err_msg=path)
 
 
+def squared_error_step(model, tx):
+  """``step((params, opt_state), batch) -> (state, loss)``: ``model``'s mean squared error
+  on batch["x"] / batch["y"], through ``jax.value_and_grad`` and ``tx``."""
+
+  def step(state, batch):
+    params, opt = state
+    loss, grads = jax.value_and_grad(
+        lambda p: jnp.mean((model.apply(p, batch["x"]) - batch["y"]) ** 2))(params)
+    updates, opt = tx.update(grads, opt, params)
+    return (optax.apply_updates(params, updates), opt), loss
+
+  return step
+
+
 MAKE_STEP_SCRIPT = """\
 import optax
 import jaxdist as jd

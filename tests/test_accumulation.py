@@ -15,7 +15,7 @@ from jax import value_and_grad as bound_value_and_grad  # jax's own, bound at im
 
 import jaxdist as jd
 from jaxdist import errors, models, rng
-from helpers import assert_trees_close, contrastive, to_host
+from helpers import assert_trees_close, contrastive, squared_error_step, to_host
 
 METHODS = [jd.DataParallel, jd.Zero2Parallel, jd.Zero3Parallel]
 
@@ -515,13 +515,7 @@ def test_a_step_calling_jax_value_and_grad_gets_jaxdist_gradients():
   ran as one whole-batch program.)"""
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
   make, batch = _recurrent_setup(tx)
-
-  def step(state, batch):
-    params, opt = state
-    loss, grads = jax.value_and_grad(
-        lambda p: jnp.mean((_Recurrent().apply(p, batch["x"]) - batch["y"]) ** 2))(params)
-    updates, opt = tx.update(grads, opt, params)
-    return (optax.apply_updates(params, updates), opt), loss
+  step = squared_error_step(_Recurrent(), tx)
 
   plain_grad = jax.value_and_grad
   expected = _two_steps(jax.jit(step), make(), batch)

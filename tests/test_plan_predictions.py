@@ -22,7 +22,7 @@ import jaxdist as jd
 from jaxdist import errors, models
 from jaxdist.inspect import parse_collectives
 from jaxdist.shard.specs import to_partition_spec
-from helpers import assert_trees_close
+from helpers import assert_trees_close, squared_error_step
 
 UNIT = dict(alpha=1.0, beta=1.0)
 H100 = dict(alpha=10e-6, beta=1 / 450e9)
@@ -765,14 +765,7 @@ def test_a_concatenation_in_the_program_reshards_each_operand():
   batch = {"x": x, "y": jnp.sum(x, (1, 2))}
   tx = optax.adam(1e-2)
   params = _LSTMRegressor().init(jax.random.key(1), x)
-
-  def step(state, batch):
-    params, opt = state
-    loss, grads = jax.value_and_grad(
-        lambda p: jnp.mean((_LSTMRegressor().apply(p, batch["x"]) - batch["y"]) ** 2))(params)
-    updates, opt = tx.update(grads, opt, params)
-    return (optax.apply_updates(params, updates), opt), loss
-
+  step = squared_error_step(_LSTMRegressor(), tx)
   exe = jd.parallelize(step, method=jd.ShardParallel(devices=_mesh((8,), {}))).get_executable(
       (params, tx.init(params)), batch)
   assert exe.communication()["all-gather"].count == 12
