@@ -535,17 +535,20 @@ def output_dependencies(jaxpr, num_inputs: int) -> list[int]:
   return dependencies(jaxpr, num_inputs, jaxpr.outvars)
 
 
-def dependencies(jaxpr, num_inputs: int, atoms: Sequence) -> list[int]:
+def dependencies(jaxpr, num_inputs: int, atoms: Sequence, stand_ins: dict | None = None
+                 ) -> list[int]:
   """For each of ``atoms`` (variables of ``jaxpr``), its input bit mask (as
-  :func:`output_dependencies`)."""
+  :func:`output_dependencies`). ``stand_ins``: variables made by top-level equations →
+  the mask their readers see instead of the variable's own (a step's new state standing
+  for its old leaf)."""
   deps = {}
   for k, v in enumerate(jaxpr.invars[:num_inputs]):
     deps[v] = 1 << k
-  _propagate(jaxpr, deps)
+  _propagate(jaxpr, deps, stand_ins or {})
   return [0 if isinstance(v, jex.Literal) else deps.get(v, 0) for v in atoms]
 
 
-def _propagate(jaxpr, deps: dict) -> list[int]:
+def _propagate(jaxpr, deps: dict, stand_ins: dict | None = None) -> list[int]:
   def get(v):
     return 0 if isinstance(v, jex.Literal) else deps.get(v, 0)
 
@@ -561,7 +564,7 @@ def _propagate(jaxpr, deps: dict) -> list[int]:
         union |= d
       out_deps = [union] * len(eqn.outvars)
     for v, d in zip(eqn.outvars, out_deps):
-      deps[v] = d
+      deps[v] = stand_ins.get(v, d) if stand_ins else d
   return [get(v) for v in jaxpr.outvars]
 
 

@@ -126,9 +126,14 @@ def uses_marker(method: m.Method, step: TracedStep) -> bool:
   if step.marker_index is not None:
     return True
   if k > 1 and step.num_markers == 0:
+    n = step.unseen_gradients
+    found = ("found none in the step" if not n else
+             f"the step's {n} jax.grad / value_and_grad call{'s' if n > 1 else ''} cannot be "
+             f"split into micro-batches (one call is: at the step's top level, not with "
+             f"respect to the batch)")
     raise errors.GradientMarkerError(
         f"{method.name}(num_micro_batches={k}) needs to know where gradients are computed, and "
-        f"found none in the step: {SEEN}.")
+        f"{found}: {SEEN}.")
   if step.num_markers:
     where = (f"{step.num_markers} times" if step.num_markers > 1
              else "inside a loop, cond or custom_vjp")

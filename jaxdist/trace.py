@@ -24,6 +24,7 @@ import warnings
 from typing import Any
 
 import jax
+import jax.extend.core as jex
 import numpy as np
 from jax import tree_util
 
@@ -72,6 +73,8 @@ class TracedStep:
     marker_index: index of the one top-level gradient marker (``jaxdist.grad``) in
       ``closed_jaxpr``, or None.
     num_markers: gradient markers found anywhere in the step (0 without jaxdist.grad).
+    unseen_gradients: the step's plain jax.grad / value_and_grad calls that jaxdist traced
+      as written (more than one, in a loop or cond, or with respect to the batch).
     micro_jaxpr: the step traced again with each batch leaf's dim 0 divided by the
       number of micro-batches × batch shards (its gradient part is what runs per
       micro-batch: shapes are baked into a jaxpr), or None.
@@ -91,6 +94,7 @@ class TracedStep:
   depends_on_batch: tuple[bool, ...]
   marker_index: int | None = None
   num_markers: int = 0
+  unseen_gradients: int = 0
   micro_jaxpr: Any = None
   micro_marker_index: int | None = None
 
@@ -173,7 +177,7 @@ def trace_step(fun, args: tuple, static_argnums: tuple[int, ...], batch_argnums:
   in_tree = tree_util.tree_structure(tuple(args[i] for i in dyn_argnums))
 
   is_batch = [a in batch_argnums for a in argnum_of_leaf]
-  closed, out_tree, out_paths, marker_index, num_markers = _trace_flat(
+  closed, out_tree, out_paths, marker_index, num_markers, unseen = _trace_flat(
       fun, args, dyn_argnums, in_tree, leaves, is_batch=is_batch)
   out_avals = tuple(v.aval for v in closed.jaxpr.outvars)
   sigs = [leaf_signature(x) for x in leaves]
@@ -189,7 +193,8 @@ def trace_step(fun, args: tuple, static_argnums: tuple[int, ...], batch_argnums:
   out_deps = jaxpr_util.output_dependencies(closed.jaxpr, len(leaves))
   state_leaves = {src for src in output_source if src is not None}
   loss_deps = 0
-  for k, dep in enumerate(out_deps):
+  for k, dep in enumerate(_loss_dependencies(closed.jaxpr, len(leaves), output_source,
+                                             out_deps)):
     if output_source[k] is None and dep & batch_mask:
       loss_deps |= dep
   roles_from_loss = bool(loss_deps & ~batch_mask)
@@ -220,7 +225,7 @@ def trace_step(fun, args: tuple, static_argnums: tuple[int, ...], batch_argnums:
       output_source=tuple(output_source), donated_argnums=donated,
       batch_size=min(batch_dims) if batch_dims else None, roles_from_loss=roles_from_loss,
       depends_on_batch=tuple(bool(d & batch_mask) for d in out_deps),
-      marker_index=marker_index, num_markers=num_markers)
+      marker_index=marker_index, num_markers=num_markers, unseen_gradients=unseen)
 
 
 def _check_batch_arguments(fun, args, dyn_argnums, in_tree, leaves, inputs, batch_argnums,
@@ -269,11 +274,26 @@ def _check_batch_arguments(fun, args, dyn_argnums, in_tree, leaves, inputs, batc
       errors.JaxdistWarning, stacklevel=5)
 
 
+def _loss_dependencies(jaxpr, num_inputs: int, output_source, out_deps: list[int]) -> list[int]:
+  """Per output, the inputs it depends on, where a new state value the step reads again
+  stands for its own leaf: a GAN's generator loss reads the discriminator's updated
+  weights, which depend on the discriminator's optimizer state; that state is not a
+  parameter of the loss (counted as one, ZeRO-2 kept it whole)."""
+  made = {o for eqn in jaxpr.eqns for o in eqn.outvars}
+  read = {v for eqn in jaxpr.eqns for v in eqn.invars if not isinstance(v, jex.Literal)}
+  stand_ins = {v: 1 << src for v, src in zip(jaxpr.outvars, output_source)
+               if src is not None and v in made and v in read}
+  if not stand_ins:
+    return out_deps
+  return jaxpr_util.dependencies(jaxpr, num_inputs, jaxpr.outvars, stand_ins)
+
+
 def _trace_flat(fun, args, dyn_argnums, in_tree, flat_args, mark: bool = True,
                 is_batch=None):
   """make_jaxpr of ``fun`` on flat dynamic leaves (arrays or ShapeDtypeStructs).
 
-  Returns (closed_jaxpr, out_tree, out_paths, marker_index, num_markers). When the
+  Returns (closed_jaxpr, out_tree, out_paths, marker_index, num_markers, the number of
+  the step's jax.grad calls traced as written, unseen by jaxdist). When the
   step uses jaxdist.grad, jit bodies are inlined so that a marker inside a jitted helper
   is visible at the top level; one inside a loop or a custom_vjp stays hidden.
   ``mark``: the step's own ``jax.grad`` calls are jaxdist's (:func:`marking_jax_grads`);
@@ -304,6 +324,9 @@ def _trace_flat(fun, args, dyn_argnums, in_tree, flat_args, mark: bool = True,
     # with respect to the batch: the step is traced again as written (XLA reduces its
     # gradients). (A new function: make_jaxpr would return its cached trace of ``flat_fun``.)
     closed = jax.make_jaxpr(lambda *flat: flat_fun(*flat))(*abstract)
+    unseen = plain_calls.count
+  else:
+    unseen = 0
   marker_index = None
   num_markers = jaxpr_util.count_primitive(closed.jaxpr, grad_marker_p.name)
   if num_markers:
@@ -314,7 +337,7 @@ def _trace_flat(fun, args, dyn_argnums, in_tree, flat_args, mark: bool = True,
     found = jaxpr_util.find_eqns(closed.jaxpr, grad_marker_p.name)
     if num_markers == 1 and len(found) == 1:
       marker_index = found[0]
-  return closed, out_store["tree"], out_store["paths"], marker_index, num_markers
+  return closed, out_store["tree"], out_store["paths"], marker_index, num_markers, unseen
 
 
 def _one_usable_gradient(closed, flat_args, is_batch) -> bool:
@@ -352,7 +375,7 @@ def with_micro_batch_trace(fun, args, static_argnums: tuple[int, ...], step: Tra
   # Plain gradients are jaxdist's here as they were in ``step`` (a fallback stays one).
   marked = any(jaxpr_util.count_primitive(step.closed_jaxpr.jaxpr, n)
                for n in (grad_marker_p.name, capture.pipeline_loss_p.name))
-  closed, _, _, marker_index, _ = _trace_flat(
+  closed, _, _, marker_index, _, _ = _trace_flat(
       fun, args, dyn_argnums, step.in_tree, flat, mark=marked,
       is_batch=[info.role == BATCH for info in step.inputs])
   if tie_in_loops:

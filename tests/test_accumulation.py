@@ -399,6 +399,15 @@ def test_micro_batches_need_jaxdist_grad():
   with pytest.raises(errors.GradientMarkerError, match=r"num_micro_batches=2.*jaxdist.grad"):
     step(make(), batch)
 
+  def two_gradients(w, batch):  # a GAN's step: the second loss reads the first update
+    w = w - 0.1 * jax.grad(lambda w: jnp.mean((batch["x"] @ w) ** 2))(w)
+    return w - 0.1 * jax.grad(lambda w: jnp.mean((batch["x"] @ w - batch["y"]) ** 2))(w)
+
+  step = jd.parallelize(two_gradients, method=jd.DataParallel(num_micro_batches=2))
+  with pytest.raises(errors.GradientMarkerError, match=r"the step's 2 jax.grad / value_and_grad "
+                                                       r"calls cannot be split"):
+    step(jnp.ones((32, 8)), batch)
+
 
 @pytest.mark.parametrize("method", [
     jd.DataParallel(), jd.Zero3Parallel(num_micro_batches=2),

@@ -107,6 +107,32 @@ def test_roles_come_from_data_flow_not_names():
   assert exe.plan.spec_of("state['opt']") == P()
 
 
+
+def test_an_updated_state_read_again_stands_for_its_leaf():
+  # A GAN's step: the generator's loss reads the discriminator's updated weights, which
+  # depend on the discriminator's momentum; that momentum is optimizer state, not a
+  # parameter of the loss (it was, so ZeRO-2 kept it whole).
+  def step(state, batch):
+    d_loss, dg = jax.value_and_grad(lambda d: jnp.mean((batch["x"] @ d) ** 2))(state["d"])
+    d_mom = 0.9 * state["d_mom"] + dg
+    d = state["d"] - 0.1 * d_mom
+    g_loss, gg = jax.value_and_grad(lambda g: jnp.mean((batch["x"] @ g @ d.T) ** 2))(state["g"])
+    g_mom = 0.9 * state["g_mom"] + gg
+    new = {"d": d, "d_mom": d_mom, "g": state["g"] - 0.1 * g_mom, "g_mom": g_mom}
+    return new, (d_loss, g_loss)
+
+  state = {"d": jnp.ones((32, 8)) / 32, "d_mom": jnp.zeros((32, 8)),
+           "g": jnp.ones((32, 8)) / 32, "g_mom": jnp.zeros((32, 8))}
+  batch = models.regression_batch(64, 32)
+  expected = serial(step, state, batch)
+  f = jd.parallelize(step, method=jd.Zero2Parallel())
+  exe = f.get_executable(state, batch)
+  roles = {leaf.path: leaf.role for leaf in exe._step.inputs}
+  assert roles == {"state['d']": "param", "state['g']": "param", "state['d_mom']": "optimizer",
+                   "state['g_mom']": "optimizer", "batch['x']": "batch", "batch['y']": "batch"}
+  assert exe.plan.spec_of("state['d_mom']") == P("devices")
+  assert_trees_close(f(state, batch), expected, rtol=1e-5, atol=1e-6)
+
 def test_zero_layouts_and_memory_order():
   state, batch = _mlp_setup(tx=optax.adam(1e-3))
   sizes = {}
