@@ -43,7 +43,7 @@ from jaxdist.mesh import LogicalMesh, device_costs
 from jaxdist.shard.cost import CostModel, combining_for
 from jaxdist.shard.specs import from_partition_spec, num_shards
 from jaxdist.shard.strategies import ELEMENTWISE, REDUCTIONS, nbytes
-from jaxdist.trace import BATCH, OPTIMIZER, PARAM, gc_paused, with_micro_batch_trace
+from jaxdist.trace import BATCH, INPUT, OPTIMIZER, PARAM, gc_paused, with_micro_batch_trace
 
 ROLE_KEYS = {PARAM: "params", OPTIMIZER: "optimizer", BATCH: "batch"}
 
@@ -287,7 +287,7 @@ def estimate_planned(method: m.Method, planned, micro_step, calibrated: bool = T
                                  planned.shard_plan.step.closed_jaxpr.jaxpr.eqns)
       size = _micro_sizes(planned, aligned)
       gathered = {i: size(v) for i, v in enumerate(closed.jaxpr.invars)
-                  if planned.traced.inputs[i].role == PARAM
+                  if planned.traced.inputs[i].role in (PARAM, INPUT)
                   and _splits_over(layout.in_specs[i], layout.batch_axes)}
       hoisted = _hoisted_copies(planned, gathered, aligned)
     work = _split_step(planned, closed, size, gathered, hoisted)
@@ -626,7 +626,7 @@ def _gathers(traced, layout, lmesh) -> list[tuple[Any, int]]:
   convolution after the gradients reading it (a loss evaluated again after the update:
   XLA gathers the parameter for it); else twice (forward and backward)."""
   sharded = [(k, l) for k, (l, spec) in enumerate(zip(traced.inputs, layout.in_specs))
-             if l.role == PARAM and _shards(spec, lmesh) > 1]
+             if l.role in (PARAM, INPUT) and _shards(spec, lmesh) > 1]
   if not layout.stream_inputs or traced.marker_index is None:
     return [(l, 2) for _, l in sharded]
   with warnings.catch_warnings():  # the compile warns about the split, if it must

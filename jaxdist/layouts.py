@@ -18,7 +18,7 @@ from jaxdist import methods as m
 from jaxdist.coupling import batch_coupling, warn_split
 from jaxdist.mesh import LogicalMesh
 from jaxdist.grad import GRAD, SEEN
-from jaxdist.trace import BATCH, OPTIMIZER, PARAM, TracedStep
+from jaxdist.trace import BATCH, INPUT, OPTIMIZER, PARAM, TracedStep
 
 REPLICATED = PartitionSpec()
 
@@ -155,7 +155,10 @@ def data_parallel_layout(method: m.Method, step: TracedStep, lmesh: LogicalMesh)
   else:
     check_batch_divisible(step, lmesh.num_devices, f"the {lmesh.num_devices} devices")
   if isinstance(method, m.Zero3Parallel):
-    sharded_roles = {PARAM, OPTIMIZER}
+    # Inputs that are neither state nor batch (a frozen backbone passed beside the
+    # trained adapters) are model weights too: split and gathered where read, as the
+    # parameters are.
+    sharded_roles = {PARAM, OPTIMIZER, INPUT}
   elif isinstance(method, m.Zero2Parallel):
     sharded_roles = {OPTIMIZER}
   else:
@@ -173,7 +176,8 @@ def data_parallel_layout(method: m.Method, step: TracedStep, lmesh: LogicalMesh)
     elif leaf.role in sharded_roles:
       spec = shard_leaf_dim(leaf.shape, lmesh)
       if spec is None:
-        unsharded.append(f"{leaf.path} {leaf.shape}")
+        if leaf.role != INPUT:
+          unsharded.append(f"{leaf.path} {leaf.shape}")
         spec = REPLICATED
       in_specs.append(spec)
     else:
@@ -220,7 +224,7 @@ def data_parallel_layout(method: m.Method, step: TracedStep, lmesh: LogicalMesh)
   if (isinstance(method, m.Zero3Parallel) and grad_reduce_specs is not None
       and lmesh.num_devices > 1):  # (a gather over one device is a copy)
     stream = {k: spec for k, (leaf, spec) in enumerate(zip(step.inputs, in_specs))
-              if leaf.role == PARAM and spec != REPLICATED}
+              if leaf.role in (PARAM, INPUT) and spec != REPLICATED}
   return Layout(lmesh, tuple(in_specs), tuple(out_specs), tuple(out_constraints), tuple(notes),
                 num_micro_batches=micro_batches, batch_axes=lmesh.axis_names,
                 grad_reduce_specs=grad_reduce_specs, stream_inputs=stream or None)

@@ -168,6 +168,48 @@ def test_zero3_streams_parameters_through_the_step():
   assert_trees_close(f(state, batch), serial(step, state, batch), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_zero3_splits_a_frozen_backbone_passed_beside_the_state(k):
+  """LoRA-style fine-tuning: frozen kernels are an argument of their own (neither state nor
+  batch); ZeRO-3 splits and streams them as it does parameters (they stayed whole on
+  every device: 0.91 MB per device against 0.48 MB now, on a smaller model)."""
+  width, rank = 256, 4
+  keys = jax.random.split(jax.random.key(0), 8)
+  frozen = [jax.random.normal(keys[i], (width, width)) / 16 for i in range(3)]
+  adapters = [(0.02 * jax.random.normal(keys[3 + i], (width, rank)), jnp.zeros((rank, width)))
+              for i in range(3)]
+  tx = optax.adam(1e-3)
+
+  def step(state, frozen, batch):
+    params, opt = state
+
+    def loss(params):
+      h = batch["x"]
+      for w, (a, b) in zip(frozen, params):
+        h = jnp.tanh(h @ w + (h @ a) @ b)
+      return jnp.mean((h - batch["y"]) ** 2)
+
+    value, grads = jax.value_and_grad(loss)(params)
+    updates, opt = tx.update(grads, opt, params)
+    return (optax.apply_updates(params, updates), opt), value
+
+  batch = {"x": jax.random.normal(keys[6], (64, width)),
+           "y": jax.random.normal(keys[7], (64, width))}
+  state = (adapters, tx.init(adapters))
+  f = jd.parallelize(step, method=jd.Zero3Parallel(num_micro_batches=k), batch_argnums=(2,))
+  exe = f.get_executable(state, frozen, batch)
+  assert [e.spec for e in exe.plan.inputs if e.path.startswith("frozen")] == [P("devices")] * 3
+  assert all(e.role == "input" for e in exe.plan.inputs if e.path.startswith("frozen"))
+  assert not [line for line in exe.check_communication() if "DIFFERS" in line]
+  frozen_bytes = sum(w.nbytes for w in frozen)
+  assert exe.get_total_allocation_size() < 0.6 * frozen_bytes
+  est = jd.estimate(step, state, frozen, batch, method=jd.Zero3Parallel(num_micro_batches=k),
+                    batch_argnums=(2,))
+  assert 0.9 < est.memory_per_device / exe.get_total_allocation_size() < 1.1
+  assert_trees_close(f(state, frozen, batch), serial(step, state, frozen, batch),
+                     rtol=1e-5, atol=1e-6)
+
+
 def test_data_parallel_communicates_one_gradient_all_reduce():
   state, batch = _mlp_setup()
   exe = jd.parallelize(models.regression_step(), method=jd.DataParallel()).get_executable(
