@@ -18,15 +18,17 @@ with ``active`` ≥ each member's indicator (a one-hot choice or an edge variabl
 collectives in one phase never depend on each other through an emitting equation.
 
 For predictions: the collectives of a solved plan are combined as XLA does it, along the
-data flow: a kind × axes has as many combined ops as its longest chain of collectives
-that depend on each other (each op of a chain must wait for the one before), and at least
-as many as the thresholds require. Inside a loop (a scan the planner unrolled and the
+data flow: XLA's combiner walks a kind × axes's collectives in post order (depth first
+from the outputs) and starts a new op at each one that depends on the op it is filling.
+That is at least the longest chain of collectives that depend on each other (each op of a
+chain must wait for the one before), and at least as many as the thresholds require. Inside a loop (a scan the planner unrolled and the
 step compiles rolled) collectives combine only within one iteration.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections import defaultdict
 
@@ -156,9 +158,10 @@ def predict(graph, choice, cost_model: CostModel,
             extra=(), held=lambda flow: None) -> dict[str, dict[str, float]]:
   """kind → {"count", "result_bytes"} per step of a solved plan, combined as XLA does.
 
-  ``count`` is, per kind and mesh axes, the longest chain of collectives that depend on
-  each other along the data flow (where XLA combines that kind), else one per
-  collective; never fewer than the byte and operand thresholds need.
+  ``count`` is, per kind and mesh axes, the ops XLA's combiner makes of them (where XLA
+  combines that kind: :func:`_greedy_groups`, never fewer than the longest chain of
+  collectives that depend on each other along the data flow), else one per collective;
+  never fewer than the byte and operand thresholds need.
   ``repeat(node, kind, axes)``: how many times a node's collective runs per step (the
   gradient part of a step with micro-batches runs once per micro-batch, on a 1/k slice
   of the batch: k times as many ops, the same bytes). ``axes_of(node, axes)``: the mesh
@@ -183,6 +186,7 @@ def predict(graph, choice, cost_model: CostModel,
   for flow in graph.flows:
     if not flow.tied:
       preds[flow.dst].append((flow.src, flow.pos))
+  order = functools.cache(lambda: _post_order(preds, graph.outputs, len(graph.nodes)))
   for kind, axes in sorted(keys):
     entries = [(k, b) for k, cs in at_node.items() for c_kind, c_axes, b in cs
                if (c_kind, c_axes) == (kind, axes)]
@@ -211,7 +215,8 @@ def predict(graph, choice, cost_model: CostModel,
           chain[k] = max((chain[p] - (p in late and pos not in late[p]) for p, pos in preds[k]),
                          default=0) + weight[k]
         count += graph.nodes[members[0][0]].weight * max(
-            int(chain.max()), math.ceil(sum(b for _, b, _ in members) / combining.threshold_bytes),
+            int(chain.max()), _greedy_groups({k for k, _, _ in members}, preds, order()),
+            math.ceil(sum(b for _, b, _ in members) / combining.threshold_bytes),
             math.ceil(len(members) / combining.threshold_count))
     else:
       count = (sum(repeat(k, kind, axes) * graph.nodes[k].weight for k, _ in entries)
@@ -223,3 +228,44 @@ def predict(graph, choice, cost_model: CostModel,
     if float(entry["count"]).is_integer():
       entry["count"] = int(entry["count"])
   return out
+
+
+def _post_order(preds, outputs, n: int) -> list[int]:
+  """The nodes as XLA's ``MakeInstructionPostOrder`` lists them: depth first from the
+  outputs in order, then from nodes nothing reads, each node's operands in order."""
+  read = set()
+  for k in range(n):
+    read.update(p for p, _ in preds[k])
+  order, seen = [], [False] * n
+  for root in [*outputs, *(k for k in range(n) if k not in read)]:
+    stack = [(root, False)]
+    while stack:
+      k, done = stack.pop()
+      if done:
+        order.append(k)
+        continue
+      if seen[k]:
+        continue
+      seen[k] = True
+      stack.append((k, True))
+      stack.extend((p, False) for p, _ in reversed(preds[k]) if not seen[p])
+  return order
+
+
+def _greedy_groups(members: set, preds, order: list[int]) -> int:
+  """The combined ops XLA's combiner makes of ``members`` (node indices): it walks them
+  in post order and starts a new op at each one that depends on a member of the op it is
+  filling."""
+  depends = [-1] * len(order)  # per node, the latest op it depends on a member of
+  op_of: dict = {}
+  ops = 0
+  for k in order:
+    d = -1
+    for p, _ in preds[k]:
+      d = max(d, depends[p], op_of.get(p, -1))
+    depends[k] = d
+    if k in members:
+      if ops == 0 or d == ops - 1:  # it waits on the op being filled: a new op
+        ops += 1
+      op_of[k] = ops - 1
+  return ops

@@ -91,6 +91,7 @@ class StrategyGraph:
     loop: the micro-batch loop the costs price, if any (:attr:`loop`).
     hub: the group of the micro-batch loop's largest batch leaf (set when priced), whose
       choice the loop's entry and exit costs depend on (edges to many groups).
+    outputs: the node making each of the step's outputs, in order.
     dead: equation nodes outside loops whose results reach no output. XLA drops them, so
       they have no collectives; the ILP still prices them (a pipeline stage's backward
       recomputes its forward, whose outputs it does not return: they stand in for the
@@ -106,6 +107,7 @@ class StrategyGraph:
   flows: list = dataclasses.field(default_factory=list)
   combine: object = None
   dead: frozenset = frozenset()
+  outputs: tuple = ()
   hub: int | None = None
   _loop: Callable[[], MicroBatchLoop] | None = dataclasses.field(default=None, repr=False)
   _pricing: Callable[[], tuple] | None = dataclasses.field(default=None, repr=False)
@@ -385,7 +387,9 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
   # loop's stand-in condition feeds nothing here), so only top-level equations are dead.
   dead = frozenset(k for k in top_level if k not in live)
   graph = StrategyGraph(nodes, group_sizes, None, None, producer, tuple(unknown), flows,
-                        dead=dead, _loop=loop)
+                        dead=dead, _loop=loop,
+                        outputs=tuple(producer[v][0] for v in jaxpr.outvars
+                                      if _has_producer(v, producer)))
   graph._pricing = lambda: _price(graph, cost_model, jaxpr.outvars, batch_axes)
   return graph.priced() if priced else graph
 
