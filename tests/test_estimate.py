@@ -760,3 +760,18 @@ def test_a_large_vocabulary_lm_is_estimated(method):
   est = jd.estimate(models.lm_step(jd.value_and_grad), state, batch, method=method(),
                     compile=True)
   assert est.memory_per_device == pytest.approx(est.compiled["total"], rel=0.1), est.summary()
+
+
+def test_a_conditional_xla_selects_from_marks_the_estimate_approximate():
+  """optax.MultiSteps updates under a conditional whose branches are elementwise: XLA
+  computes both and selects, fusing their values into the selections; the liveness walk
+  counts them as buffers (1.3x of XLA's bytes here), so the estimate says it is
+  approximate and tuning does not skip on it."""
+  data = models.regression_batch(32, 256, out=256)
+  tx = optax.MultiSteps(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)), 2)
+  state = models.create_state(models.MLP(hidden=256, num_layers=2, out=256), data["x"], tx=tx)
+  step = models.regression_step(jd.value_and_grad)
+  for method in (jd.DataParallel(), jd.ShardParallel(logical_mesh_shape=(8,))):
+    est = jd.estimate(step, state, data, method=method, compile=True)
+    assert est.approximate and any("MultiSteps" in n for n in est.notes), est.summary()
+    assert est.memory_per_device >= est.compiled["total"], est.summary()
