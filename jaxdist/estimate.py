@@ -596,8 +596,10 @@ def fixed_layout_collectives(method, traced, layout, lmesh):
   else:
     sizes = [moved(_bytes(l.shape, l.dtype), l.dtype) for l in params]
     add("all-reduce", sizes, sum(sizes))
-  if isinstance(method, m.Zero2Parallel):
-    sizes = [moved(_bytes(l.shape, l.dtype), l.dtype) for l in params]
+  if isinstance(method, m.Zero2Parallel):  # the parameters updated on shards (not a (1,) bias)
+    split = {src for src, c in zip(traced.output_source, layout.out_constraints) if c is not None}
+    sizes = [moved(_bytes(l.shape, l.dtype), l.dtype) for k, l in enumerate(traced.inputs)
+             if l.role == PARAM and k in split]
     add("all-gather", sizes, sum(sizes))
   if isinstance(method, m.Zero3Parallel):
     sizes = [moved(_bytes(l.shape, l.dtype), l.dtype) for l, n in _gathers(traced, layout, lmesh)

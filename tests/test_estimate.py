@@ -775,3 +775,37 @@ def test_a_conditional_xla_selects_from_marks_the_estimate_approximate():
     est = jd.estimate(step, state, data, method=method, compile=True)
     assert est.approximate and any("MultiSteps" in n for n in est.notes), est.summary()
     assert est.memory_per_device >= est.compiled["total"], est.summary()
+
+
+def test_a_meta_learning_step_s_per_task_gradients_are_estimated():
+  """MAML: each task adapts the weights by one inner gradient step, vmapped over tasks,
+  so the inner weight gradients are per task, ``[tasks, in, out]``, a dot whose result a
+  transpose swaps. XLA's simplifier swaps the dot's operands instead: counted as a dot
+  and its transpose, the estimate was 1.34x of XLA's bytes; now 1.05x."""
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(1)(nn.tanh(nn.Dense(256)(nn.tanh(nn.Dense(256)(x)))))
+
+  net, tx = Net(), optax.adam(1e-3)
+  keys = jax.random.split(jax.random.key(0), 5)
+  batch = {k: jax.random.normal(key, (32, 16, 1)) for k, key in zip(("xs", "ys", "xq", "yq"), keys)}
+  params = net.init(keys[4], jnp.zeros((1, 1)))
+
+  def step(state, batch):
+    params, opt = state
+    task_loss = lambda p, x, y: jnp.mean((net.apply(p, x) - y) ** 2)
+
+    def loss(p):
+      def adapted(xs, ys, xq, yq):
+        fast = jax.tree.map(lambda w, g: w - 0.01 * g, p, jax.grad(task_loss)(p, xs, ys))
+        return task_loss(fast, xq, yq)
+      return jnp.mean(jax.vmap(adapted)(batch["xs"], batch["ys"], batch["xq"], batch["yq"]))
+
+    value, grads = jax.value_and_grad(loss)(params)
+    updates, opt = tx.update(grads, opt, params)
+    return (optax.apply_updates(params, updates), opt), value
+
+  est = jd.estimate(step, (params, tx.init(params)), batch, method=jd.DataParallel(),
+                    compile=True)
+  assert abs(est.memory_per_device / est.compiled["total"] - 1) <= 0.10, est.summary()

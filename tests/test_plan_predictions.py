@@ -38,9 +38,9 @@ def _lm(model_cls, tx=None, value_and_grad=jax.value_and_grad, config=CONFIG, ba
   return models.lm_step(value_and_grad), state, batch
 
 
-def _mlp(value_and_grad=jax.value_and_grad):
-  data = models.regression_batch(32, 64, out=64)
-  state = models.create_state(models.MLP(hidden=64, num_layers=3, out=64), data["x"],
+def _mlp(value_and_grad=jax.value_and_grad, out=64):
+  data = models.regression_batch(32, 64, out=out)
+  state = models.create_state(models.MLP(hidden=64, num_layers=3, out=out), data["x"],
                               tx=optax.adam(1e-3))
   return models.regression_step(value_and_grad), state, data
 
@@ -208,13 +208,15 @@ def test_bf16_values_move_as_the_cpu_backend_promotes_them():
       c["result_bytes"], rel=1e-4)} for k, c in est.compiled_collectives.items()}, est.summary()
 
 
-@pytest.mark.parametrize("method", [jd.DataParallel(), jd.Zero2Parallel(),
-                                    jd.Zero3Parallel(num_micro_batches=2)],
-                         ids=["dp", "zero2", "zero3-k2"])
-def test_fixed_layouts_predict_their_collectives(method):
+@pytest.mark.parametrize("method,out", [(jd.DataParallel(), 64), (jd.Zero2Parallel(), 64),
+                                        (jd.Zero2Parallel(), 1),
+                                        (jd.Zero3Parallel(num_micro_batches=2), 64)],
+                         ids=["dp", "zero2", "zero2-scalar-output", "zero3-k2"])
+def test_fixed_layouts_predict_their_collectives(method, out):
   """DataParallel and ZeRO plans carry their layouts' reductions and gathers (they had
-  none, so check_communication marked every compiled kind DIFFERS)."""
-  step, state, batch = _mlp(jd.value_and_grad)
+  none, so check_communication marked every compiled kind DIFFERS). A (1,) bias stays
+  whole under ZeRO-2, so it is not gathered (predicted 8 all-gathers, compiled 7)."""
+  step, state, batch = _mlp(jd.value_and_grad, out)
   exe = jd.parallelize(step, method=method).get_executable(state, batch)
   assert exe.plan.predicted_collectives
   _assert_predicted_as_compiled(exe)
