@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect as pyinspect
 import math
 import time
 import warnings
@@ -147,12 +148,37 @@ class ParallelizedFunc:
     self._static_floats: set[int] = set()  # float arguments the step needs as Python values
     functools.update_wrapper(self, fun)
 
-  def __call__(self, *args):
+  def __call__(self, *args, **kwargs):
+    args = self._positional(args, kwargs)
     if isinstance(self.method, m.CreateStateParallel):
       return self.method.train_step.create_state(self.fun, *args,
                                                  other_args=_as_tuple(self.method.other_args))
     exe, dyn_leaves = self._lookup(args)
     return exe.call_flat(dyn_leaves)
+
+  def _positional(self, args: tuple, kwargs: dict) -> tuple:
+    """``args`` with each keyword argument at its parameter's position (and the defaults
+    of the parameters skipped before it): argument numbers (batch, static, donated) are
+    positions."""
+    if not kwargs:
+      return args
+    try:
+      signature = pyinspect.signature(self.fun)
+      bound = signature.bind(*args, **kwargs)
+    except (TypeError, ValueError) as e:
+      raise errors.UnknownArgumentError(
+          f"{getattr(self.fun, '__name__', 'the step')} called with keyword arguments "
+          f"{sorted(kwargs)}: {e}") from None
+    params = list(signature.parameters.values())
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    other = [name for name in kwargs if name not in {p.name for p in positional}]
+    if other:
+      raise errors.InvalidArgumentError(
+          f"keyword arguments {other} of {getattr(self.fun, '__name__', 'the step')} are not "
+          f"positional parameters: jaxdist numbers arguments by position (batch_argnums, "
+          f"static_argnums); pass them by position or bind them with functools.partial.")
+    last = max(k for k, p in enumerate(positional) if p.name in bound.arguments)
+    return tuple(bound.arguments.get(p.name, p.default) for p in positional[:last + 1])
 
   def create_state(self, init_fn, *init_args, batch=None, other_args=None):
     """Runs ``init_fn(*init_args)`` so that the state it returns is born in the layout this
@@ -199,9 +225,9 @@ class ParallelizedFunc:
     """The executable compiled most recently (None before the first compile)."""
     return next(reversed(self._executables.values()), None)
 
-  def get_executable(self, *args) -> Executable:
+  def get_executable(self, *args, **kwargs) -> Executable:
     """The compiled step for these arguments (compiling it on first use)."""
-    return self._lookup(args)[0]
+    return self._lookup(self._positional(args, kwargs))[0]
 
   def _lookup(self, args):
     static = self._static_argnums(args)

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxdist as jd
-from jaxdist import models
+from jaxdist import errors, models
 from helpers import assert_trees_close, serial
 
 
@@ -239,6 +239,34 @@ def test_devices_argument_forms(devices, mesh_shape, batch_spec):
   assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6)
   used = {d for leaf in jax.tree.leaves(actual) for d in leaf.sharding.device_set}
   assert len(used) == np.prod(mesh_shape)
+
+
+def test_keyword_arguments_take_their_parameters_positions():
+  """``step(state, batch=batch)`` as with jax.jit (it raised TypeError): keywords go to
+  their parameters' positions, so batch_argnums=(1,) still names the batch, and a
+  parameter skipped before one takes its default."""
+  state, batch = _mlp_setup()
+
+  def step(state, batch, scale=1.0, shift=0.0):
+    def loss_fn(params):
+      return scale * jnp.mean((state.apply_fn(params, batch["x"]) - batch["y"]) ** 2) + shift
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  f = jd.parallelize(step, method=jd.DataParallel())
+  exe = f.get_executable(state, batch=batch)
+  assert exe is f.get_executable(state, batch)
+  assert exe.plan.spec_of("batch['x']") == P("devices")
+  assert_trees_close(f(state, batch=batch, shift=1.0), serial(step, state, batch, 1.0, 1.0),
+                     rtol=1e-5, atol=1e-6)
+  with pytest.raises(errors.UnknownArgumentError, match="rate"):
+    f(state, batch, rate=0.1)
+
+  def keyword_only(state, batch, *, scale):
+    return step(state, batch, scale)
+
+  with pytest.raises(errors.InvalidArgumentError, match=r"\['scale'\].*functools.partial"):
+    jd.parallelize(keyword_only)(state, batch, scale=2.0)
 
 
 def test_python_floats_are_traced_other_python_values_static_and_arrays_inputs():
