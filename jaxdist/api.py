@@ -559,6 +559,12 @@ class ParallelizedFunc:
         step, layout = shard_plan.step, dataclasses.replace(shard_plan.layout, notes=(
             *layout.notes, "the shard planner placed the program's equations with these "
             "input layouts pinned (its predicted collectives are checked against XLA's)"))
+      elif step.marker_index is None and isinstance(method, m.Zero3Parallel):
+        layout = dataclasses.replace(layout, notes=(
+            *layout.notes, "jaxdist does not see the step's gradient (see jaxdist.grad): XLA "
+            "places the parameters' gathers and the gradients' reduction itself, so the "
+            "predicted collectives (each split parameter gathered for the forward and for "
+            "the backward) may differ from the compiled ones"))
     if layout.grad_reduce_specs is not None:
       divisor = layout.num_micro_batches * math.prod(
           layout.logical_mesh.axis_size(a) for a in layout.batch_axes)

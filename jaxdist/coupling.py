@@ -133,10 +133,14 @@ def _mixed_loss(eqns, value, state: dict) -> str | None:
     return ("the loss is no affine function of sums over the batch (a square root, log or "
             "product of batch means)")
   kinds = set()
-  for c, term in _terms(value, producer):
+  for factors, term in _terms(value, producer):
     if isinstance(term, jex.JaxprEqn) and isinstance(state.get(term.invars[0]), int):
-      kinds.add("mean" if math.isclose(c * math.prod(_shape(term.invars[0])), 1, rel_tol=1e-6)
-                else "sum")
+      # A mean, also scaled (``-0.5 * jnp.mean(...)``, a VAE's KL term): one of its
+      # factors divides by the number of elements summed, or all of them make 1/count.
+      count = math.prod(_shape(term.invars[0]))
+      mean = any(math.isclose(f * count, 1, rel_tol=1e-6) for f in factors) or math.isclose(
+          math.prod(factors) * count, 1, rel_tol=1e-6)
+      kinds.add("mean" if mean else "sum")
     else:
       kinds.add("other")
   if "sum" in kinds and len(kinds) > 1:
@@ -183,32 +187,35 @@ def _scaled_sum(v, producer):
   """``(c, s)`` if ``v`` is ``c`` times the ``reduce_sum`` equation ``s`` (through casts
   and scaling by constants: a mean is a scaled sum), else None: :func:`_terms`' one term."""
   terms = _terms(v, producer)
-  return terms[0] if len(terms) == 1 and isinstance(terms[0][1], jex.JaxprEqn) else None
+  if len(terms) != 1 or not isinstance(terms[0][1], jex.JaxprEqn):
+    return None
+  return math.prod(terms[0][0]), terms[0][1]
 
 
-def _terms(v, producer, scale: float = 1.0) -> list:
+def _terms(v, producer, factors: tuple = ()) -> list:
   """``v`` as a sum of terms ``c · t`` (through casts, negation, scaling by literals,
-  additions and subtractions): ``[(c, t)]`` where ``t`` is a ``reduce_sum`` equation or,
-  for any other term, the variable itself."""
+  additions and subtractions): ``[(factors, t)]`` where ``c`` is the product of
+  ``factors`` (each scaling met on the way, a division as its inverse) and ``t`` is a
+  ``reduce_sum`` equation or, for any other term, the variable itself."""
   eqn = None if isinstance(v, jex.Literal) else producer.get(v)
   if eqn is None:
-    return [(scale, v)]
+    return [(factors, v)]
   name, ins = eqn.primitive.name, eqn.invars
   if name == "reduce_sum":
-    return [(scale, eqn)]
+    return [(factors, eqn)]
   if name == "convert_element_type":
-    return _terms(ins[0], producer, scale)
+    return _terms(ins[0], producer, factors)
   if name == "neg":
-    return _terms(ins[0], producer, -scale)
+    return _terms(ins[0], producer, factors + (-1.0,))
   if name in ("mul", "div") and isinstance(ins[1], jex.Literal) and not _shape(ins[1]):
     c = float(ins[1].val)
-    return _terms(ins[0], producer, scale * c if name == "mul" else scale / c)
+    return _terms(ins[0], producer, factors + ((c if name == "mul" else 1 / c),))
   if name == "mul" and isinstance(ins[0], jex.Literal) and not _shape(ins[0]):
-    return _terms(ins[1], producer, scale * float(ins[0].val))
+    return _terms(ins[1], producer, factors + (float(ins[0].val),))
   if name in ("add", "sub") and not any(isinstance(x, jex.Literal) for x in ins):
-    return (_terms(ins[0], producer, scale)
-            + _terms(ins[1], producer, -scale if name == "sub" else scale))
-  return [(scale, v)]
+    return (_terms(ins[0], producer, factors)
+            + _terms(ins[1], producer, factors + ((-1.0,) if name == "sub" else ())))
+  return [(factors, v)]
 
 
 def part_scale(whole_eqns, whole_value, part_eqns, part_value, parts: int) -> float | None:
@@ -230,7 +237,8 @@ def part_scale(whole_eqns, whole_value, part_eqns, part_value, parts: int) -> fl
   if len(terms[0]) != len(terms[1]):
     return None
   weights = set()
-  for (c_whole, whole), (c_part, part) in zip(*terms):
+  for (f_whole, whole), (f_part, part) in zip(*terms):
+    c_whole, c_part = math.prod(f_whole), math.prod(f_part)
     summed = (isinstance(whole, jex.JaxprEqn) and isinstance(part, jex.JaxprEqn)
               and c_part != 0
               # Over the batch: the summed operand shrinks with the part, the sum does not.

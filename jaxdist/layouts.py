@@ -129,8 +129,8 @@ def uses_marker(method: m.Method, step: TracedStep) -> bool:
     n = step.unseen_gradients
     found = ("found none in the step" if not n else
              f"the step's {n} jax.grad / value_and_grad call{'s' if n > 1 else ''} cannot be "
-             f"split into micro-batches (one call is: at the step's top level, not with "
-             f"respect to the batch)")
+             f"split into micro-batches (one call is: at the step's top level, not under "
+             f"jax.vmap, not with respect to the batch)")
     raise errors.GradientMarkerError(
         f"{method.name}(num_micro_batches={k}) needs to know where gradients are computed, and "
         f"{found}: {SEEN}.")

@@ -344,7 +344,9 @@ def _one_usable_gradient(closed, flat_args, is_batch) -> bool:
   """Whether ``closed`` has one gradient (a marker, or a pipeline's captured loss), at its
   top level once calls are inlined, and a marker has no gradient shaped like a batch leaf
   and like no other input (a gradient with respect to the examples, an adversarial or
-  saliency step's: no partial sum the devices could add)."""
+  saliency step's: no partial sum the devices could add), nor one per example, an
+  input's shape behind the batch size (``jax.vmap(jax.grad(...))``: per-example
+  gradients, clipped one by one in DP-SGD)."""
   names = (grad_marker_p.name, capture.pipeline_loss_p.name)
   if sum(jaxpr_util.count_primitive(closed.jaxpr, n) for n in names) != 1:
     return False
@@ -354,7 +356,13 @@ def _one_usable_gradient(closed, flat_args, is_batch) -> bool:
   shapes = [tuple(x.shape) if hasattr(x, "shape") else np.shape(x) for x in flat_args]
   batch = {s for s, b in zip(shapes, is_batch) if b}
   other = {s for s, b in zip(shapes, is_batch) if not b}
-  return not any(kind == GRAD and v.aval.shape in batch and v.aval.shape not in other
+  sizes = {s[0] for s in batch if s}
+
+  def per_example(shape) -> bool:  # jax.grad under vmap over the batch (DP-SGD's clipping)
+    return bool(shape) and shape[0] in sizes and shape[1:] in other and shape not in other
+
+  return not any(kind == GRAD and ((v.aval.shape in batch and v.aval.shape not in other)
+                                   or per_example(v.aval.shape))
                  for v, kind in zip(found[0].invars, found[0].params["kinds"]))
 
 

@@ -567,8 +567,9 @@ def test_a_name_bound_by_from_jax_import_is_jaxdist_s_while_tracing():
 
 def test_plain_gradients_jaxdist_cannot_own_are_left_to_xla():
   """Two top-level ``jax.grad`` calls (a loss and a penalty's gradient), one inside a
-  loop, or one with respect to the examples (a saliency map: no partial sum of devices):
-  the step is traced again as written and XLA reduces its gradients, silently."""
+  loop, one with respect to the examples (a saliency map: no partial sum of devices), or
+  one per example (under jax.vmap): the step is traced again as written and XLA reduces
+  its gradients, silently."""
   make, batch = _mlp_setup()
 
   def loss_fn(params, x, y):
@@ -591,7 +592,17 @@ def test_plain_gradients_jaxdist_cannot_own_are_left_to_xla():
     gx = jax.grad(lambda x: loss_fn(state.params, x, batch["y"]))(batch["x"])
     return state, jnp.mean(gx ** 2, axis=1)
 
-  for step in (two_calls, in_a_loop, of_the_examples):
+  def per_example(state, batch):  # DP-SGD: each example's gradient clipped (it raised)
+    grads = jax.vmap(jax.grad(loss_fn), in_axes=(None, 0, 0))(
+        state.params, batch["x"][:, None], batch["y"][:, None])
+    norms = jnp.sqrt(sum(jnp.sum(g.reshape(g.shape[0], -1) ** 2, 1)
+                         for g in jax.tree.leaves(grads)))
+    scale = jnp.minimum(1.0, 1.0 / (norms + 1e-6))
+    clipped = jax.tree.map(lambda g: jnp.mean(g * scale.reshape(-1, *[1] * (g.ndim - 1)), 0),
+                           grads)
+    return state.apply_gradients(grads=clipped), None
+
+  for step in (two_calls, in_a_loop, of_the_examples, per_example):
     expected = _two_steps(jax.jit(step), make(), batch)
     f = jd.parallelize(step, method=jd.DataParallel())
     with warnings.catch_warnings():

@@ -120,3 +120,25 @@ def test_zero_updates_a_batch_norm_step_s_adam_moments_on_their_shards(method):
   assert not [line for line in exe.check_communication() if "DIFFERS" in line]
   assert_trees_close(to_host(exe(make(), batch)), to_host(serial(step, make(), batch)),
                      rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("loss,coupled", [
+    (lambda e: e.mean() + 0.5 * (e ** 2).mean(), False),
+    (lambda e: e.mean() - 0.5 * jnp.mean(jnp.sum(e, -1)), False),  # a VAE's scaled KL term
+    (lambda e: 0.1 * e.mean(), False),
+    (lambda e: e.mean() + 0.5 * e.sum(), True),
+    (lambda e: e.sum() + (e ** 2).mean(), True),
+], ids=["weighted-means", "scaled-mean-of-sums", "scaled-mean", "mean-plus-sum", "sum-plus-mean"])
+def test_a_scaled_mean_is_a_mean(loss, coupled):
+  """``rec + beta * kl`` with both means: each micro-batch's value is a mean too, so the
+  step splits exactly (it was taken for a sum beside a mean: a ResultsDifferWarning, and
+  the whole batch ran as one program under DataParallel)."""
+  params = {"w": jnp.ones((4, 3))}
+  batch = {"x": jnp.ones((8, 4))}
+
+  def step(params, batch):
+    value, grads = jd.value_and_grad(lambda p: loss(batch["x"] @ p["w"]))(params)
+    return jax.tree.map(lambda a, g: a - 0.1 * g, params, grads), value
+
+  found = batch_coupling(trace_step(step, (params, batch), (), (1,), "auto"))
+  assert (found is not None) == coupled, found
