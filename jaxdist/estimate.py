@@ -586,8 +586,13 @@ def fixed_layout_collectives(method, traced, layout, lmesh):
     reduced = [moved(nbytes(v), v.aval.dtype) for v, s, rows in
                zip(marker.invars, layout.grad_reduce_specs, per_example_outputs(traced))
                if s is None and not rows]
-    reduced += [moved(b, dtype) for b, dtype in _split_reductions(traced, layout, lmesh)]
-    add("all-reduce", reduced, sum(reduced))
+    # XLA combines all-reduces of one reduction only (a finiteness check's `and`s apart
+    # from the sums: apply_if_finite over split gradients compiled 2 ops, 1 predicted).
+    by_op = {"reduce_sum": reduced}
+    for b, dtype, name in _split_reductions(traced, layout, lmesh):
+      by_op.setdefault(name, []).append(moved(b, dtype))
+    for sizes in by_op.values():
+      add("all-reduce", sizes, sum(sizes))
     if token_weighted(traced):  # the token counts, summed before the gradients' reduction
       add("all-reduce", [4.0], 4.0)
     scattered = [moved(nbytes(v), v.aval.dtype)
@@ -608,9 +613,9 @@ def fixed_layout_collectives(method, traced, layout, lmesh):
   return out
 
 
-def _split_reductions(traced, layout, lmesh) -> list[tuple[float, Any]]:
-  """(result bytes, dtype) of each reduction the update makes across a split dimension of
-  the state or the reduce-scattered gradients (global-norm clipping's sums of squares,
+def _split_reductions(traced, layout, lmesh) -> list[tuple[float, Any, str]]:
+  """(result bytes, dtype, primitive) of each reduction the update makes across a split
+  dimension of the state or the reduce-scattered gradients (global-norm clipping's sums of squares,
   LAMB's norms): the partial results are all-reduced. Splits are followed through
   elementwise equations and into the branches of a ``cond`` (``optax.MultiSteps``
   updates under one: XLA compiles both branches' collectives); values that other
@@ -649,7 +654,7 @@ def _follow_splits(eqns, split: dict, out: list) -> None:
       axes, held = set(eqn.params["axes"]), ins[0][1]
       kept = [d for d in range(len(ins[0][0].aval.shape)) if d not in axes]
       if held & axes:
-        out.append((nbytes(eqn.outvars[0]), eqn.outvars[0].aval.dtype))
+        out.append((nbytes(eqn.outvars[0]), eqn.outvars[0].aval.dtype, name))
       rest = frozenset(kept.index(d) for d in held - axes)
       if rest:
         split[eqn.outvars[0]] = rest

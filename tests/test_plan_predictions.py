@@ -290,6 +290,22 @@ def test_zero_predicts_the_update_s_reductions_over_split_state(method, multi_st
   _assert_predicted_as_compiled(exe)
 
 
+@pytest.mark.parametrize("method", [jd.Zero2Parallel(), jd.ShardParallel(logical_mesh_shape=(8,))],
+                         ids=["zero2", "shard"])
+def test_a_finiteness_check_s_all_reduces_are_apart_from_the_sums(method):
+  """``optax.apply_if_finite`` checks every gradient leaf; over split gradients the checks'
+  ``and``s are all-reduced, and XLA combines those with each other but not with the sums
+  (ZeRO-2: 1 all-reduce predicted, 2 compiled)."""
+  data = models.regression_batch(32, 64, out=64)
+  tx = optax.apply_if_finite(optax.adam(1e-3), 5)
+  state = models.create_state(models.MLP(hidden=64, num_layers=3, out=64), data["x"], tx=tx)
+  exe = jd.parallelize(models.regression_step(jd.value_and_grad), method=method).get_executable(
+      state, data)
+  if isinstance(method, jd.Zero2Parallel):
+    assert exe.communication()["all-reduce"].count == 2, exe.check_communication()
+  _assert_predicted_as_compiled(exe)
+
+
 def test_a_metric_of_the_per_example_aux_combines_with_the_gradients_reduction():
   """With micro-batches the gradients are reduced after the loop; a metric computed from
   the per-example aux (an error over the batch) needs no gradient, so XLA combines its

@@ -38,6 +38,9 @@ from jaxdist.shard.cost import CostModel
 
 # The phase of a donated output's resharding back into its input's layout: after everything.
 TAIL = -1
+# Reductions whose all-reduces XLA does not combine with sums.
+OTHER_REDUCTIONS = frozenset({"reduce_and", "reduce_or", "reduce_max", "reduce_min", "argmax",
+                              "argmin", "reduce_prod", "reduce_xor"})
 
 
 def emits(node) -> bool:
@@ -178,20 +181,20 @@ def predict(graph, choice, cost_model: CostModel,
                                                       held):
     axes = axes_of(k, axes)
     if math.prod(sizes[a] for a in axes) > 1:
-      at_node[k].append((kind, tuple(axes), nbytes))
+      at_node[k].append((kind, tuple(axes), nbytes, _reduction(graph.nodes[k], kind)))
   out: dict[str, dict[str, float]] = {}
-  keys = {(kind, axes) for cs in at_node.values() for kind, axes, _ in cs}
-  keys |= {(kind, tuple(axes)) for _, _, (kind, axes, _) in extra}
+  keys = {(kind, axes, op) for cs in at_node.values() for kind, axes, _, op in cs}
+  keys |= {(kind, tuple(axes), "") for _, _, (kind, axes, _) in extra}
   preds = defaultdict(list)
   for flow in graph.flows:
     if not flow.tied:
       preds[flow.dst].append((flow.src, flow.pos))
   order = functools.cache(lambda: _post_order(preds, graph.outputs, len(graph.nodes)))
-  for kind, axes in sorted(keys):
-    entries = [(k, b) for k, cs in at_node.items() for c_kind, c_axes, b in cs
-               if (c_kind, c_axes) == (kind, axes)]
+  for kind, axes, op in sorted(keys):
+    entries = [(k, b) for k, cs in at_node.items() for c_kind, c_axes, b, c_op in cs
+               if (c_kind, c_axes, c_op) == (kind, axes, op)]
     late_entries = [(k, pos, b) for k, pos, (c_kind, c_axes, b) in extra
-                    if (c_kind, tuple(c_axes)) == (kind, axes)]
+                    if (c_kind, tuple(c_axes), "") == (kind, axes, op)]
     late = defaultdict(set)  # node → its outputs an extra collective of this kind reduces
     for k, pos, _ in late_entries:
       late[k].add(pos)
@@ -228,6 +231,14 @@ def predict(graph, choice, cost_model: CostModel,
     if float(entry["count"]).is_integer():
       entry["count"] = int(entry["count"])
   return out
+
+
+def _reduction(node, kind: str) -> str:
+  """The reduction of an all-reduce made at ``node`` where it is no sum (XLA combines
+  all-reduces of one reduction only: a finiteness check's ``and`` apart from the sums),
+  else ""."""
+  name = node.eqn.primitive.name if node.eqn is not None else ""
+  return name if kind == "all-reduce" and name in OTHER_REDUCTIONS else ""
 
 
 def _post_order(preds, outputs, n: int) -> list[int]:
