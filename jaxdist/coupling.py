@@ -320,8 +320,8 @@ def loss_normalizer(jaxpr, marker_index: int, params: set):
 
 def token_weighted(step: TracedStep) -> bool:
   """Whether the step's loss is a token-weighted mean (:func:`loss_normalizer`): with
-  ``jaxdist.grad``, the devices' token counts are then summed (one scalar all-reduce)
-  before the gradients are divided by them and reduced."""
+  ``jaxdist.grad``, the devices' token counts are then summed beside the gradients (XLA
+  combines the two all-reduces), which are divided by the sum after their reduction."""
   if step.marker_index is None:
     return False
   jaxpr = step.closed_jaxpr.jaxpr

@@ -588,13 +588,13 @@ def fixed_layout_collectives(method, traced, layout, lmesh):
                if s is None and not rows]
     # XLA combines all-reduces of one reduction only (a finiteness check's `and`s apart
     # from the sums: apply_if_finite over split gradients compiled 2 ops, 1 predicted).
+    if token_weighted(traced):  # the token counts, summed beside the gradients (which are
+      reduced += [4.0]          # divided by them after their reduction)
     by_op = {"reduce_sum": reduced}
     for b, dtype, name in _split_reductions(traced, layout, lmesh):
       by_op.setdefault(name, []).append(moved(b, dtype))
     for sizes in by_op.values():
       add("all-reduce", sizes, sum(sizes))
-    if token_weighted(traced):  # the token counts, summed before the gradients' reduction
-      add("all-reduce", [4.0], 4.0)
     scattered = [moved(nbytes(v), v.aval.dtype)
                  for v, s in zip(marker.invars, layout.grad_reduce_specs) if s is not None]
     add("reduce-scatter", scattered, sum(scattered) / lmesh.num_devices)

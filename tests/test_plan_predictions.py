@@ -306,6 +306,30 @@ def test_a_finiteness_check_s_all_reduces_are_apart_from_the_sums(method):
   _assert_predicted_as_compiled(exe)
 
 
+@pytest.mark.parametrize("method", [jd.DataParallel(), jd.Zero2Parallel(num_micro_batches=2)],
+                         ids=["dp", "zero2-k2"])
+def test_a_token_count_is_reduced_with_the_gradients(method):
+  """A token-weighted loss, ``(err * mask).sum() / mask.sum()``: the devices' counts are
+  summed beside the gradients, which are divided by the sum after their reduction, so
+  XLA combines the two all-reduces (2 predicted before, 1 compiled)."""
+  data = models.regression_batch(32, 64, out=64)
+  data["mask"] = (jnp.arange(32 * 64).reshape(32, 64) % 3 > 0).astype(jnp.float32)
+  state = models.create_state(models.MLP(hidden=64, num_layers=2, out=64), data["x"],
+                              tx=optax.sgd(0.1))
+
+  def step(state, batch):
+    def loss_fn(params):
+      err = (state.apply_fn(params, batch["x"]) - batch["y"]) ** 2
+      return (err * batch["mask"]).sum() / batch["mask"].sum()
+
+    loss, grads = jd.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  exe = jd.parallelize(step, method=method).get_executable(state, data)
+  assert exe.communication()["all-reduce"].count == 1, exe.check_communication()
+  _assert_predicted_as_compiled(exe)
+
+
 def test_a_metric_of_the_per_example_aux_combines_with_the_gradients_reduction():
   """With micro-batches the gradients are reduced after the loop; a metric computed from
   the per-example aux (an error over the batch) needs no gradient, so XLA combines its

@@ -573,9 +573,9 @@ def _micro_batch_predictions(step: TracedStep, plan: MeshPlan, layout: Layout, k
   for kind, b in entry_moves:
     add(kind, 1, b)
   if shards > 1 and token_weighted(step):
-    # The micro-batches' token counts are summed first (the gradients are divided by it
-    # before their reduction, so it is an op of its own).
-    add("all-reduce", 1, 4.0)
+    # The micro-batches' token counts, summed beside the gradients after the loop (these
+    # are divided by it after their reduction): in their all-reduce where there is one.
+    add("all-reduce", 0 if any(c[0] == "all-reduce" for _, _, c in late) else 1, 4.0)
   return predicted
 
 
