@@ -74,7 +74,8 @@ class TracedStep:
       ``closed_jaxpr``, or None.
     num_markers: gradient markers found anywhere in the step (0 without jaxdist.grad).
     unseen_gradients: the step's plain jax.grad / value_and_grad calls that jaxdist traced
-      as written (more than one, in a loop or cond, or with respect to the batch).
+      as written (more than one, in a loop or cond, per example or with respect to the
+      batch).
     micro_jaxpr: the step traced again with each batch leaf's dim 0 divided by the
       number of micro-batches × batch shards (its gradient part is what runs per
       micro-batch: shapes are baked into a jaxpr), or None.
