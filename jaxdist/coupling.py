@@ -109,6 +109,13 @@ def coupling_in(jaxpr, batch_vars, size: int, exempt=frozenset(), state=None,
     if carried and REDUCED in ins:
       return (f"equation {i} ({eqn.primitive.name}) combines a value reduced over the batch "
               f"(a batch statistic such as BatchNorm's mean) with per-example values")
+    if (eqn.primitive.name == "gather" and isinstance(ins[0], int) and not isinstance(ins[1], int)
+        and ins[0] in eqn.params["dimension_numbers"].start_index_map):
+      # Indices that are no example's own pick rows of the batch: a graph's edges reading
+      # their nodes (x[senders]), a shuffle (x[perm]). A per-example lookup's indices
+      # carry the batch (logits[arange(n), labels]); take_along_axis batches over it.
+      return (f"equation {i} (gather) reads examples of the batch by indices that are no "
+              f"example's own (a graph's edges reading their nodes, a shuffle of the batch)")
     outs = _propagate(eqn, carried, size) if carried else [REDUCED] * len(eqn.outvars)
     for v, s in zip(eqn.outvars, outs):
       if s is not None:
