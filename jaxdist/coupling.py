@@ -94,6 +94,11 @@ def coupling_in(jaxpr, batch_vars, size: int, exempt=frozenset(), state=None,
   ``state``: filled with each followed var's batch axis or ``REDUCED``; ``stop``: the
   first equation not looked at (all are by default)."""
   state = {} if state is None else state
+  readers: dict = {}
+  for e in jaxpr.eqns[:stop]:
+    for v in e.invars:
+      if not isinstance(v, jex.Literal):
+        readers.setdefault(v, []).append(e)
   for v in batch_vars:
     if _shape(v) and _shape(v)[0] == size:
       state[v] = 0
@@ -109,6 +114,10 @@ def coupling_in(jaxpr, batch_vars, size: int, exempt=frozenset(), state=None,
     if carried and REDUCED in ins:
       return (f"equation {i} ({eqn.primitive.name}) combines a value reduced over the batch "
               f"(a batch statistic such as BatchNorm's mean) with per-example values")
+    moved = _moves_examples(eqn, carried)
+    if moved and not _zeroed(eqn.outvars[0], readers):
+      return (f"equation {i} ({eqn.primitive.name}) {moved} along the batch axis (a roll, "
+              f"reverse, sort, cumulative sum, or part of the examples)")
     if (eqn.primitive.name == "gather" and isinstance(ins[0], int) and not isinstance(ins[1], int)
         and ins[0] in eqn.params["dimension_numbers"].start_index_map):
       # Indices that are no example's own pick rows of the batch: a graph's edges reading
@@ -120,6 +129,43 @@ def coupling_in(jaxpr, batch_vars, size: int, exempt=frozenset(), state=None,
     for v, s in zip(eqn.outvars, outs):
       if s is not None:
         state[v] = s
+  return None
+
+
+CUMULATIVE = frozenset("cumsum cumprod cummax cummin cumlogsumexp".split())
+
+
+def _zeroed(v, readers: dict) -> bool:
+  """Whether every reader of ``v`` multiplies it by 0 (through reshapes and casts): the
+  one element of a cotangent that ``jaxdist.recompute`` ties a recomputation to."""
+  users = readers.get(v, [])
+  return bool(users) and all(
+      _zeroed(e.outvars[0], readers) if e.primitive.name in ("reshape", "convert_element_type")
+      else e.primitive.name == "mul" and any(
+          isinstance(x, jex.Literal) and not _shape(x) and x.val == 0 for x in e.invars)
+      for e in users)
+
+
+def _moves_examples(eqn, carried) -> str | None:
+  """How ``eqn`` moves examples along the batch axis of an operand carrying it
+  (``carried``: (operand position, batch axis) pairs), or None: run per device, each
+  device would reverse, shift, sort or slice its own examples only (DataParallel's update
+  was 0.2 to 1.2 off serial on such steps, without a word)."""
+  name, p = eqn.primitive.name, eqn.params
+  for k, axis in carried:
+    shape = _shape(eqn.invars[k])
+    if name == "rev" and axis in p["dimensions"]:
+      return "reverses examples"
+    if name in CUMULATIVE and p["axis"] == axis:
+      return "accumulates across examples"
+    if name == "sort" and p["dimension"] == axis:
+      return "sorts examples"
+    if name in ("slice", "dynamic_slice") and _shape(eqn.outvars[0])[axis] != shape[axis]:
+      return "takes part of the examples"
+    if name == "pad" and any(p["padding_config"][axis]):
+      return "pads the examples"
+    if name.startswith("reduce_window") and p["window_dimensions"][axis] > 1:
+      return "pools across examples"
   return None
 
 
