@@ -118,13 +118,16 @@ def coupling_in(jaxpr, batch_vars, size: int, exempt=frozenset(), state=None,
     if moved and not _zeroed(eqn.outvars[0], readers):
       return (f"equation {i} ({eqn.primitive.name}) {moved} along the batch axis (a roll, "
               f"reverse, sort, cumulative sum, or part of the examples)")
-    if (eqn.primitive.name == "gather" and isinstance(ins[0], int) and not isinstance(ins[1], int)
-        and ins[0] in eqn.params["dimension_numbers"].start_index_map):
+    indexed = (eqn.params["dimension_numbers"].start_index_map if eqn.primitive.name == "gather"
+               else eqn.params["dimension_numbers"].scatter_dims_to_operand_dims
+               if eqn.primitive.name.startswith("scatter") else ())
+    if indexed and isinstance(ins[0], int) and not isinstance(ins[1], int) and ins[0] in indexed:
       # Indices that are no example's own pick rows of the batch: a graph's edges reading
       # their nodes (x[senders]), a shuffle (x[perm]). A per-example lookup's indices
       # carry the batch (logits[arange(n), labels]); take_along_axis batches over it.
-      return (f"equation {i} (gather) reads examples of the batch by indices that are no "
-              f"example's own (a graph's edges reading their nodes, a shuffle of the batch)")
+      return (f"equation {i} ({eqn.primitive.name}) indexes examples of the batch by indices "
+              f"that are no example's own (a graph's edges reading their nodes, a shuffle of "
+              f"the batch)")
     outs = _propagate(eqn, carried, size) if carried else [REDUCED] * len(eqn.outvars)
     for v, s in zip(eqn.outvars, outs):
       if s is not None:
@@ -166,6 +169,10 @@ def _moves_examples(eqn, carried) -> str | None:
       return "pads the examples"
     if name.startswith("reduce_window") and p["window_dimensions"][axis] > 1:
       return "pools across examples"
+    if name == "top_k" and p.get("axis", -1) % len(shape) == axis:
+      return "ranks examples"
+    if name == "dynamic_update_slice" and k == 0 and _shape(eqn.invars[1])[axis] != shape[axis]:
+      return "writes part of the examples"
   return None
 
 
