@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxdist import errors
@@ -146,6 +147,10 @@ def uses_marker(method: m.Method, step: TracedStep) -> bool:
   return False
 
 
+def _floating(dtype) -> bool:
+  return jnp.issubdtype(dtype, jnp.inexact)
+
+
 def data_parallel_layout(method: m.Method, step: TracedStep, lmesh: LogicalMesh) -> Layout:
   """Layout for DataParallel (no sharded state), Zero2 (optimizer) or Zero3 (all state)."""
   micro_batches = method.num_micro_batches or 1
@@ -155,9 +160,10 @@ def data_parallel_layout(method: m.Method, step: TracedStep, lmesh: LogicalMesh)
   else:
     check_batch_divisible(step, lmesh.num_devices, f"the {lmesh.num_devices} devices")
   if isinstance(method, m.Zero3Parallel):
-    # Inputs that are neither state nor batch (a frozen backbone passed beside the
+    # Float inputs that are neither state nor batch (a frozen backbone passed beside the
     # trained adapters) are model weights too: split and gathered where read, as the
-    # parameters are.
+    # parameters are. (Integer ones, index tables, stay whole: XLA gathers one once for
+    # all its readers, where jaxdist would predict a gather per reader.)
     sharded_roles = {PARAM, OPTIMIZER, INPUT}
   elif isinstance(method, m.Zero2Parallel):
     sharded_roles = {OPTIMIZER}
@@ -173,7 +179,7 @@ def data_parallel_layout(method: m.Method, step: TracedStep, lmesh: LogicalMesh)
   for leaf in step.inputs:
     if leaf.role == BATCH:
       in_specs.append(batch_spec(lmesh))
-    elif leaf.role in sharded_roles:
+    elif leaf.role in sharded_roles and (leaf.role != INPUT or _floating(leaf.dtype)):
       spec = shard_leaf_dim(leaf.shape, lmesh)
       if spec is None:
         if leaf.role != INPUT:
