@@ -147,10 +147,6 @@ def uses_marker(method: m.Method, step: TracedStep) -> bool:
   return False
 
 
-def _floating(dtype) -> bool:
-  return jnp.issubdtype(dtype, jnp.inexact)
-
-
 def data_parallel_layout(method: m.Method, step: TracedStep, lmesh: LogicalMesh) -> Layout:
   """Layout for DataParallel (no sharded state), Zero2 (optimizer) or Zero3 (all state)."""
   micro_batches = method.num_micro_batches or 1
@@ -179,7 +175,8 @@ def data_parallel_layout(method: m.Method, step: TracedStep, lmesh: LogicalMesh)
   for leaf in step.inputs:
     if leaf.role == BATCH:
       in_specs.append(batch_spec(lmesh))
-    elif leaf.role in sharded_roles and (leaf.role != INPUT or _floating(leaf.dtype)):
+    elif leaf.role in sharded_roles and (leaf.role != INPUT
+                                         or jnp.issubdtype(leaf.dtype, jnp.inexact)):
       spec = shard_leaf_dim(leaf.shape, lmesh)
       if spec is None:
         if leaf.role != INPUT:

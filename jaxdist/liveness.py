@@ -130,7 +130,6 @@ class Timeline:
     # updated in place); chains end at the buffer (``_root``).
     self._owner: dict = {}
     bitcast = [eqn.primitive.name in BITCASTS for eqn, _, _ in self.eqns]
-    producer = {o: eqn.primitive.name for eqn, _, outs in self.eqns for o in outs}
     made_by = {o: eqn for eqn, _, outs in self.eqns for o in outs}
     for i, (eqn, ins, outs) in enumerate(self.eqns):
       # A weight gradient's dot result that only a transpose reads, the transposed
@@ -140,11 +139,11 @@ class Timeline:
       # 0.87 MB compiled, 1.09 MB estimated counting both. Added into an accumulator
       # instead, the transposed read fuses into the add and the dot's result stays:
       # one buffer too (a 4-stage MLP's last stage: 1.11x of XLA's bytes counting both).
-      if (eqn.primitive.name == "transpose" and ins and producer.get(ins[0]) == "dot_general"
+      dot = made_by.get(ins[0]) if eqn.primitive.name == "transpose" and ins else None
+      if (dot is not None and dot.primitive.name == "dot_general"
           and readers.get(ins[0]) == ["transpose"]
           and (set(readers.get(outs[0], ["none"])) <= ACCUMULATING
-               or (_swaps_free_dims(eqn, made_by[ins[0]])
-                   and not _outer_product(made_by[ins[0]])))):  # (that one fuses)
+               or (_swaps_free_dims(eqn, dot) and not _outer_product(dot)))):  # (that fuses)
         bitcast[i] = True
       if bitcast[i]:
         for o, v in zip(outs, ins):
