@@ -459,12 +459,17 @@ def _propagate(eqn, carried, size) -> list:
   if name == "transpose":
     return [list(eqn.params["permutation"]).index(p)]
   if name in ("reshape", "squeeze", "expand_dims"):
+    # The axis whose elements before it are those before the batch axis here, if its
+    # extent is a multiple of the batch's: examples stay contiguous blocks of it, whether
+    # the batch is merged with the dims after it (tokens, ``(B, L, D) -> (B * L, D)``) or
+    # split from them again.
     before = math.prod(_shape(eqn.invars[0])[:p])
     shape = out_shapes[0]
     for q in range(len(shape)):
-      if math.prod(shape[:q]) == before and shape[q] == size:
+      if math.prod(shape[:q]) == before and shape[q] and shape[q] % size == 0:
         return [q]
     return [None]
   # Everything else (elementwise, select, gather, concatenate, slices, custom calls):
-  # the batch axis stays where it was if the output still has it there.
-  return [p if len(s) > p and s[p] == size else None for s in out_shapes]
+  # the batch axis stays where it was if the output still has it there, as large.
+  extent = _shape(eqn.invars[k])[p]
+  return [p if len(s) > p and s[p] == extent else None for s in out_shapes]

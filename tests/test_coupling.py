@@ -209,3 +209,41 @@ def test_moving_examples_along_the_batch_axis_couples_them(mix):
   assert batch_coupling(trace_step(step, (params, batch), (), (1,), "auto")) is not None
   f = jd.parallelize(step, method=jd.DataParallel())
   assert_trees_close(f(params, batch), serial(step, params, batch), rtol=1e-5, atol=1e-6)
+
+
+def test_tokens_flattened_across_the_batch_are_still_followed():
+  """A Switch-style router flattens the batch's tokens ``(B, L, D) -> (B * L, D)`` and
+  counts each expert's tokens with a cumsum over all of them (its capacity): per device,
+  each device filled its experts with its own tokens only, and DataParallel's update was
+  7e-3 off serial without a word. A per-token loss over flattened tokens stays per device."""
+  b, l, d, experts, capacity = 16, 8, 8, 4, 12
+  keys = jax.random.split(jax.random.key(0), 4)
+  batch = {"x": jax.random.normal(keys[0], (b, l, d)), "y": jax.random.normal(keys[1], (b,))}
+  params = {"gate": jax.random.normal(keys[2], (d, experts)),
+            "w": jax.random.normal(keys[3], (experts, d, d)) / 4}
+
+  def routed(p, x):
+    t = x.reshape(b * l, d)
+    choice = jax.nn.one_hot(jnp.argmax(t @ p["gate"], -1), experts)
+    kept = choice * (jnp.cumsum(choice, axis=0) <= capacity)
+    return (t + jnp.einsum("te,td,edf->tf", kept, t, p["w"])).reshape(b, l, d)
+
+  def step(params, batch):
+    loss, grads = jd.value_and_grad(
+        lambda p: jnp.mean((routed(p, batch["x"]).mean((1, 2)) - batch["y"]) ** 2))(params)
+    return jax.tree.map(lambda a, g: a - 0.1 * g, params, grads), loss
+
+  assert "cumsum" in batch_coupling(trace_step(step, (params, batch), (), (1,), "auto"))
+  f = jd.parallelize(step, method=jd.DataParallel())
+  assert_trees_close(f(params, batch), serial(step, params, batch), rtol=1e-5, atol=1e-6)
+
+  def per_token(params, batch):
+    def loss_fn(p):
+      logits = (batch["x"] @ p["gate"]).reshape(b * l, experts)
+      labels = jnp.zeros((b * l,), jnp.int32)
+      return jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
+
+    loss, grads = jd.value_and_grad(loss_fn)(params)
+    return jax.tree.map(lambda a, g: a - 0.1 * g, params, grads), loss
+
+  assert batch_coupling(trace_step(per_token, (params, batch), (), (1,), "auto")) is None
