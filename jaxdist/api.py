@@ -244,6 +244,7 @@ class ParallelizedFunc:
           raise
         self._static_floats |= floats
         return self._lookup(args)
+      exe.bind_keywords = self._positional
       if key is not None:
         self._executables[key] = exe
         self._warn_recompiles(key)
@@ -565,6 +566,13 @@ class ParallelizedFunc:
             "places the parameters' gathers and the gradients' reduction itself, so the "
             "predicted collectives (each split parameter gathered for the forward and for "
             "the backward) may differ from the compiled ones"))
+      elif isinstance(method, (m.Zero2Parallel, m.Zero3Parallel)) and step.marker_index is not None:
+        from jaxdist.estimate import examples_reduced_in_update
+        if examples_reduced_in_update(step):
+          layout = dataclasses.replace(layout, notes=(
+              *layout.notes, "the update sums per-example aux outputs of the gradient (usage "
+              "counts, say): XLA gathers the examples or reduces their partial sums itself, "
+              "so the predicted collectives leave those out"))
     if layout.grad_reduce_specs is not None:
       divisor = layout.num_micro_batches * math.prod(
           layout.logical_mesh.axis_size(a) for a in layout.batch_axes)

@@ -627,9 +627,33 @@ def _split_reductions(traced, layout, lmesh) -> list[tuple[float, Any, str]]:
            if _shards(spec, lmesh) > 1}
   split.update((v, dims(spec)) for v, spec in zip(marker.outvars, layout.grad_reduce_specs)
                if spec is not None and _shards(spec, lmesh) > 1)
+  # An aux output with a batch dimension stays split over the batch axes: with the state
+  # whole (DataParallel), XLA all-reduces the partial sums the update makes of it (a
+  # codebook's usage counts), beside the gradients. (ZeRO's plans say that XLA places
+  # those: into split state, it gathered the examples instead.)
+  whole = all(leaf.role == BATCH for v, leaf in zip(jaxpr.invars, traced.inputs) if v in split)
+  if whole and all(s is None for s in layout.grad_reduce_specs) and math.prod(
+      lmesh.axis_size(a) for a in layout.batch_axes) > 1:
+    split.update(_per_example_aux(traced))
   out = []
   _follow_splits(jaxpr.eqns[traced.marker_index + 1:], split, out)
   return out
+
+
+def _per_example_aux(traced) -> dict:
+  """The gradient marker's aux outputs with a batch dimension, as split on dim 0."""
+  marker = traced.closed_jaxpr.jaxpr.eqns[traced.marker_index]
+  return {v: frozenset({0}) for v, rows in zip(marker.outvars, per_example_outputs(traced))
+          if rows}
+
+
+def examples_reduced_in_update(traced) -> bool:
+  """Whether the update (after the gradient marker) sums over a per-example aux output
+  of the gradient (a codebook's usage counts)."""
+  out = []
+  _follow_splits(traced.closed_jaxpr.jaxpr.eqns[traced.marker_index + 1:],
+                 _per_example_aux(traced), out)
+  return bool(out)
 
 
 def _follow_splits(eqns, split: dict, out: list) -> None:
@@ -645,11 +669,21 @@ def _follow_splits(eqns, split: dict, out: list) -> None:
         inner = {b: split[v] for b, v in zip(branch.jaxpr.invars, eqn.invars[1:])
                  if not isinstance(v, jex.Literal) and v in split}
         _follow_splits(branch.jaxpr.eqns, inner, out)
-    elif name in ELEMENTWISE:
+    elif name in ELEMENTWISE:  # (an operand's size-1 dims broadcast: one-hot's ``eq``)
       shape = eqn.outvars[0].aval.shape
-      found = next((d for v, d in ins if v.aval.shape == shape), None)
+      found = next((kept for v, d in ins if len(v.aval.shape) == len(shape)
+                    for kept in [frozenset(k for k in d if v.aval.shape[k] == shape[k])]
+                    if kept), None)
       if found is not None:
         split.update((o, found) for o in eqn.outvars)
+    elif name == "broadcast_in_dim":
+      split[eqn.outvars[0]] = frozenset(eqn.params["broadcast_dimensions"][d] for d in ins[0][1])
+    elif name == "transpose":
+      split[eqn.outvars[0]] = frozenset(eqn.params["permutation"].index(d) for d in ins[0][1])
+    elif name == "dot_general" and len(ins) == 2:  # both split on a contracted dim: partial
+      (lc, rc), _ = eqn.params["dimension_numbers"]  # products, summed across the devices
+      if any(a in ins[0][1] and b in ins[1][1] for a, b in zip(lc, rc)):
+        out.append((nbytes(eqn.outvars[0]), eqn.outvars[0].aval.dtype, "reduce_sum"))
     elif name in REDUCTIONS and len(ins) == 1:
       axes, held = set(eqn.params["axes"]), ins[0][1]
       kept = [d for d in range(len(ins[0][0].aval.shape)) if d not in axes]

@@ -92,7 +92,11 @@ class Executable:
     self.output_shardings = tree_util.tree_unflatten(step.out_tree, self._out_shardings)
     self._communication = None
 
-  def __call__(self, *args):
+  # The step's keyword arguments to positions (``ParallelizedFunc`` sets it; None: none).
+  bind_keywords = None
+
+  def __call__(self, *args, **kwargs):
+    args = positional(self, args, kwargs)
     leaves = tree_util.tree_leaves(tuple(args[i] for i in self._dyn_argnums))
     return self.call_flat(leaves)
 
@@ -143,6 +147,17 @@ class Executable:
     if self._communication is None:
       self._communication = hlo_inspect.collective_summary(self.get_hlo_text())
     return self._communication
+
+
+def positional(exe, args: tuple, kwargs: dict) -> tuple:
+  """``args`` with an executable's keyword arguments at their parameters' positions."""
+  if not kwargs:
+    return args
+  if exe.bind_keywords is None:
+    raise errors.InvalidArgumentError(
+        f"this executable was built without its step's signature, so keyword arguments "
+        f"{sorted(kwargs)} have no positions; pass them by position.")
+  return exe.bind_keywords(args, kwargs)
 
 
 def allocation_bytes(compiled) -> int:

@@ -272,9 +272,10 @@ def test_devices_argument_forms(devices, mesh_shape, batch_spec):
 
 
 def test_keyword_arguments_take_their_parameters_positions():
-  """``step(state, batch=batch)`` as with jax.jit (it raised TypeError): keywords go to
-  their parameters' positions, so batch_argnums=(1,) still names the batch, and a
-  parameter skipped before one takes its default."""
+  """``step(state, batch=batch)`` as with jax.jit (it raised TypeError), on the
+  parallelized step and on its executable: keywords go to their parameters' positions,
+  so batch_argnums=(1,) still names the batch, and a parameter skipped before one takes
+  its default."""
   state, batch = _mlp_setup()
 
   def step(state, batch, scale=1.0, shift=0.0):
@@ -287,6 +288,7 @@ def test_keyword_arguments_take_their_parameters_positions():
   exe = f.get_executable(state, batch=batch)
   assert exe is f.get_executable(state, batch)
   assert exe.plan.spec_of("batch['x']") == P("devices")
+  assert_trees_close(exe(state, batch=batch), serial(step, state, batch), rtol=1e-5, atol=1e-6)
   assert_trees_close(f(state, batch=batch, shift=1.0), serial(step, state, batch, 1.0, 1.0),
                      rtol=1e-5, atol=1e-6)
   with pytest.raises(errors.UnknownArgumentError, match="rate"):

@@ -354,6 +354,38 @@ def test_a_metric_of_the_per_example_aux_combines_with_the_gradients_reduction()
   _assert_predicted_as_compiled(exe)
 
 
+def test_a_codebook_s_usage_counts_from_the_aux_are_reduced_with_the_gradients():
+  """A VQ layer's codebook follows EMAs of its usage counts and of the codes' sums, made
+  after the gradient from the per-example assignments (aux): DataParallel sums them per
+  device and all-reduces them beside the gradients (2052 B predicted, 2692 B compiled).
+  Under ZeRO XLA gathered the examples instead, into the split state: the plan says so."""
+  keys = jax.random.split(jax.random.key(0), 3)
+  batch = {"x": jax.random.normal(keys[0], (64, 32))}
+  params = {"enc": jax.random.normal(keys[1], (32, 8)) / 6}
+  codebook = jax.random.normal(keys[2], (16, 8))
+
+  def step(state, batch):
+    params, codebook, counts, sums = state
+
+    def loss_fn(p):
+      z = jnp.tanh(batch["x"] @ p["enc"])
+      code = jnp.argmin(jnp.sum((z[:, None] - codebook[None]) ** 2, -1), -1)
+      return jnp.mean((z - jax.lax.stop_gradient(codebook[code])) ** 2), (z, code)
+
+    (loss, (z, code)), grads = jd.value_and_grad(loss_fn, has_aux=True)(params)
+    onehot = jax.nn.one_hot(code, 16)
+    counts = 0.9 * counts + 0.1 * onehot.sum(0)
+    sums = 0.9 * sums + 0.1 * onehot.T @ jax.lax.stop_gradient(z)
+    params = jax.tree.map(lambda a, g: a - 0.1 * g, params, grads)
+    return (params, sums / counts[:, None], counts, sums), {"loss": loss, "usage": onehot.mean(0)}
+
+  state = (params, codebook, jnp.ones((16,)), codebook)
+  exe = jd.parallelize(step, method=jd.DataParallel()).get_executable(state, batch)
+  _assert_predicted_as_compiled(exe)
+  exe = jd.parallelize(step, method=jd.Zero2Parallel()).get_executable(state, batch)
+  assert any("per-example aux outputs" in n for n in exe.plan.notes), exe.plan.notes
+
+
 class _Mlp(nn.Module):
   out: int
 

@@ -64,7 +64,7 @@ from jaxdist import inspect as hlo_inspect
 from jaxdist import jaxpr_util, rng
 from jaxdist import methods as m
 from jaxdist.executable import (compare_collectives, compile_here, compile_layout, place,
-                                place_inputs)
+                                place_inputs, positional)
 from jaxdist.grad import SEEN
 from jaxdist.mesh import LogicalMesh
 from jaxdist.pipeline import (capture, layers as layers_mod, per_device, predict, stage_shard,
@@ -1009,7 +1009,10 @@ class PipelineExecutable:
 
   # ---- running ------------------------------------------------------------------------
 
-  def __call__(self, *args):
+  bind_keywords = None  # as Executable's
+
+  def __call__(self, *args, **kwargs):
+    args = positional(self, args, kwargs)
     leaves = tree_util.tree_leaves(tuple(args[i] for i in self._dyn_argnums))
     return self.call_flat(leaves)
 
