@@ -24,6 +24,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 
 from jaxdist import errors
+from jaxdist import jaxpr_util
 from jaxdist.jaxpr_util import MARKERS
 from jaxdist.trace import BATCH, PARAM, TracedStep
 
@@ -128,11 +129,72 @@ def coupling_in(jaxpr, batch_vars, size: int, exempt=frozenset(), state=None,
       return (f"equation {i} ({eqn.primitive.name}) indexes examples of the batch by indices "
               f"that are no example's own (a graph's edges reading their nodes, a shuffle of "
               f"the batch)")
+    if eqn.primitive.name == "scan":
+      found = _scan_coupling(eqn, ins, size)
+      if found:
+        return f"equation {i} (scan) {found}"
     outs = _propagate(eqn, carried, size) if carried else [REDUCED] * len(eqn.outvars)
     for v, s in zip(eqn.outvars, outs):
       if s is not None:
         state[v] = s
   return None
+
+
+def _scan_coupling(eqn, ins: list, size: int) -> str | None:
+  """How a ``scan`` mixes examples (``ins``: its operands' batch axes or ``REDUCED``), or
+  None: its carry reads the examples it scans over (a time-major sequence split on its
+  time axis as if it were the batch), or its body mixes them (followed with the carry's
+  axes as one step leaves them)."""
+  body = eqn.params["jaxpr"].jaxpr
+  consts, carries = eqn.params["num_consts"], eqn.params["num_carry"]
+  xs = range(consts + carries, len(ins))
+  along = sum(1 << k for k in xs if ins[k] == 0)
+  if along and _recurs_over(body, consts, carries, along):
+    return ("carries state from example to example along the batch axis (batch arguments "
+            "are split on dim 0: is the sequence time-major?)")
+  inner = {v: s - (k in xs) if isinstance(s, int) else s
+           for k, (v, s) in enumerate(zip(body.invars, ins)) if s is not None}
+  for _ in range(2):  # then with the axes the carry leaves the first step with
+    state = {v: s for v, s in inner.items() if s != -1}
+    found = coupling_in(body, (), size, state=state)
+    if found:
+      return f"mixes examples in its body: {found}"
+    out = [state.get(v) for v in body.outvars[:carries]]
+    grown = {v: s for v, s in zip(body.invars[consts:consts + carries], out)
+             if s is not None and v not in inner}
+    if not grown:
+      return None
+    inner.update(grown)
+  return None
+
+
+def _recurs_over(body, consts: int, carries: int, along: int) -> bool:
+  """Whether a scan ``body`` carries what it reads of the scanned operands ``along`` (a
+  bit mask of its inputs) into its next steps: a recurrence over them (a time-major RNN's
+  hidden state), not a sum of per-step terms that no step reads (a per-example gradient
+  accumulated over the backward pass of ``lax.map``)."""
+  n = len(body.invars)
+  deps = jaxpr_util.dependencies(body, n, body.outvars)
+  producer = {v: e for e in body.eqns for v in e.outvars}
+  tainted = 0  # carry inputs holding something read from the scanned operands
+  while True:
+    grown = sum(1 << (consts + j) for j in range(carries) if deps[j] & (along | tainted))
+    if grown == tainted:
+      break
+    tainted = grown
+  if any(d & tainted for d in deps[carries:]):  # a step's output reads what came before
+    return True
+  for j in range(carries):
+    if not tainted >> (consts + j) & 1:
+      continue
+    eqn = producer.get(body.outvars[j])
+    carry = body.invars[consts + j]
+    if eqn is None or eqn.primitive.name not in ("add", "add_any") or carry not in eqn.invars:
+      return True
+    (term,) = [v for v in eqn.invars if v is not carry] or [carry]
+    if jaxpr_util.dependencies(body, n, [term])[0] & tainted:
+      return True
+  return False
 
 
 CUMULATIVE = frozenset("cumsum cumprod cummax cummin cumlogsumexp".split())

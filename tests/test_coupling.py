@@ -247,3 +247,40 @@ def test_tokens_flattened_across_the_batch_are_still_followed():
     return jax.tree.map(lambda a, g: a - 0.1 * g, params, grads), loss
 
   assert batch_coupling(trace_step(per_token, (params, batch), (), (1,), "auto")) is None
+
+
+def test_a_scan_carrying_state_along_the_batch_axis_couples_examples():
+  """A time-major RNN (``(time, batch, features)``) passed as the batch is split on its
+  time axis: per device each device started its recurrence from zeros at its own first
+  step, and DataParallel's update was 1.5e-2 off serial without a word. Scans over time
+  of batch-major data, and ``lax.map`` over the examples, stay per device."""
+  time_, b, d, h = 32, 4, 8, 16
+  keys = jax.random.split(jax.random.key(0), 5)
+  batch = {"x": jax.random.normal(keys[0], (time_, b, d)),
+           "y": jax.random.normal(keys[1], (time_, b))}
+  params = {"wx": jax.random.normal(keys[2], (d, h)) / 3,
+            "wh": jax.random.normal(keys[3], (h, h)) / 4,
+            "wo": jax.random.normal(keys[4], (h,)) / 4}
+
+  def rnn(p, xs):
+    def cell(carry, x):
+      carry = jnp.tanh(x @ p["wx"] + carry @ p["wh"])
+      return carry, carry @ p["wo"]
+    return jax.lax.scan(cell, jnp.zeros(xs.shape[1:2] + (h,)), xs)[1]
+
+  def make_step(predict):
+    def step(params, batch):
+      loss, grads = jd.value_and_grad(
+          lambda p: jnp.mean((predict(p, batch["x"]) - batch["y"]) ** 2))(params)
+      return jax.tree.map(lambda a, g: a - 0.1 * g, params, grads), loss
+    return step
+
+  step = make_step(rnn)
+  assert "time-major" in batch_coupling(trace_step(step, (params, batch), (), (1,), "auto"))
+  f = jd.parallelize(step, method=jd.DataParallel())
+  assert_trees_close(f(params, batch), serial(step, params, batch), rtol=1e-5, atol=1e-6)
+  batch_major = {"x": batch["x"].swapaxes(0, 1), "y": batch["y"].swapaxes(0, 1)}
+  for predict in (lambda p, x: rnn(p, x.swapaxes(0, 1)).swapaxes(0, 1),
+                  lambda p, x: jax.lax.map(lambda e: rnn(p, e[:, None])[:, 0], x)):
+    traced = trace_step(make_step(predict), (params, batch_major), (), (1,), "auto")
+    assert batch_coupling(traced) is None
