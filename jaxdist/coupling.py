@@ -17,6 +17,7 @@ broadcasts, reshapes, transposes, dots, convolutions, reductions, gathers) are f
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 
@@ -115,7 +116,7 @@ def coupling_in(jaxpr, batch_vars, size: int, exempt=frozenset(), state=None,
     if carried and REDUCED in ins:
       return (f"equation {i} ({eqn.primitive.name}) combines a value reduced over the batch "
               f"(a batch statistic such as BatchNorm's mean) with per-example values")
-    moved = _moves_examples(eqn, carried)
+    moved = _moves_examples(eqn, carried, size)
     if moved and not _zeroed(eqn.outvars[0], readers):
       return (f"equation {i} ({eqn.primitive.name}) {moved} along the batch axis (a roll, "
               f"reverse, sort, cumulative sum, or part of the examples)")
@@ -197,6 +198,30 @@ def _recurs_over(body, consts: int, carries: int, along: int) -> bool:
   return False
 
 
+class _Stacked(int):
+  """A batch axis made by concatenating whole batches along it (two views of the batch,
+  ``concatenate([x1, x2])``): a slice or split of it into whole batches takes every
+  example (``z[:n]``, ``z[n:]``)."""
+
+
+def _whole_batches(eqn, axis, size: int) -> bool:
+  """Whether a ``slice`` or ``split`` of a stacked batch ``axis`` cuts it into whole
+  batches, or a ``pad`` adds whole batches to it (a slice's transpose)."""
+  p = eqn.params
+  if eqn.primitive.name == "pad":
+    low, high, interior = p["padding_config"][axis]
+    return interior == 0 and low >= 0 and high >= 0 and low % size == 0 and high % size == 0
+  if not isinstance(axis, _Stacked):
+    return False
+  if eqn.primitive.name == "split":
+    cuts = list(itertools.accumulate(p["sizes"]))
+  elif p["strides"] is None or p["strides"][axis] == 1:
+    cuts = [p["start_indices"][axis], p["limit_indices"][axis]]
+  else:
+    return False
+  return all(c % size == 0 for c in cuts)
+
+
 CUMULATIVE = frozenset("cumsum cumprod cummax cummin cumlogsumexp".split())
 
 
@@ -211,7 +236,7 @@ def _zeroed(v, readers: dict) -> bool:
       for e in users)
 
 
-def _moves_examples(eqn, carried) -> str | None:
+def _moves_examples(eqn, carried, size: int) -> str | None:
   """How ``eqn`` moves examples along the batch axis of an operand carrying it
   (``carried``: (operand position, batch axis) pairs), or None: run per device, each
   device would reverse, shift, sort or slice its own examples only (DataParallel's update
@@ -225,9 +250,10 @@ def _moves_examples(eqn, carried) -> str | None:
       return "accumulates across examples"
     if name == "sort" and p["dimension"] == axis:
       return "sorts examples"
-    if name in ("slice", "dynamic_slice") and _shape(eqn.outvars[0])[axis] != shape[axis]:
+    if (name in ("slice", "dynamic_slice") and _shape(eqn.outvars[0])[axis] != shape[axis]
+        or name == "split" and p["axis"] == axis) and not _whole_batches(eqn, axis, size):
       return "takes part of the examples"
-    if name == "pad" and any(p["padding_config"][axis]):
+    if name == "pad" and any(p["padding_config"][axis]) and not _whole_batches(eqn, axis, size):
       return "pads the examples"
     if name.startswith("reduce_window") and p["window_dimensions"][axis] > 1:
       return "pools across examples"
@@ -520,6 +546,12 @@ def _propagate(eqn, carried, size) -> list:
     return [eqn.params["broadcast_dimensions"][p]] + [None] * (len(eqn.outvars) - 1)
   if name == "transpose":
     return [list(eqn.params["permutation"]).index(p)]
+  if name == "concatenate" and eqn.params["dimension"] == p:  # two views of the batch
+    stacked = len(carried) == len(eqn.invars) and all(a == p for _, a in carried)
+    return [_Stacked(p) if stacked else None]
+  if (name in ("slice", "split") and isinstance(p, _Stacked)
+      or name == "pad" and any(eqn.params["padding_config"][p])):  # whole batches (checked)
+    return [_Stacked(p) if s[p] > size else int(p) for s in out_shapes]
   if name in ("reshape", "squeeze", "expand_dims"):
     # The axis whose elements before it are those before the batch axis here, if its
     # extent is a multiple of the batch's: examples stay contiguous blocks of it, whether

@@ -192,11 +192,19 @@ def test_a_graph_s_edges_reading_their_nodes_couple_examples():
     lambda h: jnp.sort(h, axis=0),
     lambda h: h.at[0].set(0.0),
     lambda h: jnp.zeros_like(h).at[:8].set(jax.lax.top_k(h, 8)[0]),
-], ids=["roll", "reverse", "halves", "cumsum", "sort", "scatter", "top-k"])
+    lambda h: jax.nn.softmax(h[:, None] @ h[None, :], axis=1) @ h,
+    lambda h: jnp.abs(h[:, None] - h[None, :]).mean(1),
+    lambda h: (lambda z: jax.nn.softmax(z[:, None] * z[None, :], 1) @ z)(
+        jnp.concatenate([h, 2 * h])).reshape(2, -1).sum(0),
+    lambda h: (lambda a, b: jnp.concatenate([a - b, b - a]))(*jnp.split(h, 2)),
+], ids=["roll", "reverse", "halves", "cumsum", "sort", "scatter", "top-k", "similarity",
+        "distances", "two-views", "split"])
 def test_moving_examples_along_the_batch_axis_couples_them(mix):
   """Per device, each device would roll, reverse, pair, accumulate, sort, write or rank
-  its own examples only: DataParallel's update was 0.2 to 1.2 off serial without a word
-  (the halves raised a TypeError). Now such a step runs as one whole-batch program."""
+  its own examples only, or meet them with its own only (in-batch negatives, of one or
+  of two views of the batch): DataParallel's update was 0.2 to 1.2 off serial without a
+  word (the halves raised a TypeError; a SimCLR step's, 0.5). Now such a step runs as one
+  whole-batch program."""
   keys = jax.random.split(jax.random.key(0), 3)
   batch = {"x": jax.random.normal(keys[0], (64, 16)), "y": jax.random.normal(keys[1], (64,))}
   params = {"w": jax.random.normal(keys[2], (16,)) / 4}
@@ -284,3 +292,23 @@ def test_a_scan_carrying_state_along_the_batch_axis_couples_examples():
                   lambda p, x: jax.lax.map(lambda e: rnn(p, e[:, None])[:, 0], x)):
     traced = trace_step(make_step(predict), (params, batch_major), (), (1,), "auto")
     assert batch_coupling(traced) is None
+
+
+@pytest.mark.parametrize("views", [
+    lambda h: sum(jnp.split(jnp.tanh(jnp.concatenate([h, 2 * h])), 2)),
+    lambda h: (lambda z: z[:64] * z[64:])(jnp.concatenate([h, h + 1.0]) ** 2),
+], ids=["split", "slices"])
+def test_two_views_of_the_batch_split_back_stay_per_device(views):
+  """A discriminator reading real and generated examples as one batch
+  (``concatenate([real, fake])``) and splitting its outputs back into whole batches
+  reads each example alone: the step keeps the per-device path."""
+  keys = jax.random.split(jax.random.key(0), 3)
+  batch = {"x": jax.random.normal(keys[0], (64, 16)), "y": jax.random.normal(keys[1], (64,))}
+  params = {"w": jax.random.normal(keys[2], (16,)) / 4}
+
+  def step(params, batch):
+    loss, grads = jd.value_and_grad(
+        lambda p: jnp.mean((views(batch["x"] @ p["w"]) - batch["y"]) ** 2))(params)
+    return jax.tree.map(lambda a, g: a - 0.1 * g, params, grads), loss
+
+  assert batch_coupling(trace_step(step, (params, batch), (), (1,), "auto")) is None
