@@ -126,6 +126,20 @@ def _evaluation(step: TracedStep) -> bool:
                       for src in step.output_source))
 
 
+def _untraced(retrace, layout) -> str | None:
+  """Why the step does not trace on a device's share of the batch (``retrace(divisor)``
+  fails: it takes the batch size as a constant), or None. Under the per-device layout
+  without micro-batches only: with them, the failure is the user's error to see."""
+  divisor = math.prod(layout.logical_mesh.axis_size(a) for a in layout.batch_axes)
+  if layout.grad_reduce_specs is None or layout.num_micro_batches > 1 or divisor == 1:
+    return None
+  try:
+    retrace(divisor)  # (cached: the layout's trace below)
+  except errors.BatchDivisibilityError as e:
+    return str(e)
+  return None
+
+
 class ParallelizedFunc:
   """A step wrapped by :func:`parallelize`; call it like the original function."""
 
@@ -551,7 +565,13 @@ class ParallelizedFunc:
                             f"micro-batches")
     else:
       layout = data_parallel_layout(method, step, lmesh)
-      if layout.grad_reduce_specs is None and batch_coupling(step):
+      untraced = _untraced(retrace, layout)
+      if untraced:
+        warnings.warn(f"{method.name}: {untraced} It runs as one whole-batch program instead "
+                      f"(exact; XLA places its gradients' reduction).", errors.JaxdistWarning,
+                      stacklevel=4)
+        layout = data_parallel_layout(method, step, lmesh, whole_batch=untraced)
+      if layout.grad_reduce_specs is None and (untraced or batch_coupling(step)):
         # One program over the whole batch (its batch statistics reduced across devices):
         # the shard planner places its equations with the layout's inputs pinned, so that
         # XLA compiles the collectives the plan predicts instead of choosing its own.

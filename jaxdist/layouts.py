@@ -147,8 +147,12 @@ def uses_marker(method: m.Method, step: TracedStep) -> bool:
   return False
 
 
-def data_parallel_layout(method: m.Method, step: TracedStep, lmesh: LogicalMesh) -> Layout:
-  """Layout for DataParallel (no sharded state), Zero2 (optimizer) or Zero3 (all state)."""
+def data_parallel_layout(method: m.Method, step: TracedStep, lmesh: LogicalMesh,
+                         whole_batch: str | None = None) -> Layout:
+  """Layout for DataParallel (no sharded state), Zero2 (optimizer) or Zero3 (all state).
+
+  ``whole_batch``: why the step cannot run per device (its trace on a device's share of
+  the batch failed): it then runs as one whole-batch program, as a coupled step does."""
   micro_batches = method.num_micro_batches or 1
   if micro_batches > 1:
     check_batch_divisible(step, lmesh.num_devices * micro_batches,
@@ -205,7 +209,10 @@ def data_parallel_layout(method: m.Method, step: TracedStep, lmesh: LogicalMesh)
   grad_reduce_specs = None
   per_device = uses_marker(method, step)
   coupled = batch_coupling(step) if per_device else None
-  if coupled and micro_batches == 1:
+  if whole_batch and per_device and micro_batches == 1:
+    per_device = False
+    notes.append(f"{whole_batch}; gradients are computed over the whole batch as one program")
+  elif coupled and micro_batches == 1:
     # Per-device gradients would use per-device batch statistics: let XLA run the whole
     # batch as the single-device step does (gradients reduced by XLA).
     per_device = False

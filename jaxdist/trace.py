@@ -384,9 +384,18 @@ def with_micro_batch_trace(fun, args, static_argnums: tuple[int, ...], step: Tra
   # Plain gradients are jaxdist's here as they were in ``step`` (a fallback stays one).
   marked = any(jaxpr_util.count_primitive(step.closed_jaxpr.jaxpr, n)
                for n in (grad_marker_p.name, capture.pipeline_loss_p.name))
-  closed, _, _, marker_index, _, _ = _trace_flat(
-      fun, args, dyn_argnums, step.in_tree, flat, mark=marked,
-      is_batch=[info.role == BATCH for info in step.inputs])
+  try:
+    closed, _, _, marker_index, _, _ = _trace_flat(
+        fun, args, dyn_argnums, step.in_tree, flat, mark=marked,
+        is_batch=[info.role == BATCH for info in step.inputs])
+  except errors.JaxdistError:
+    raise
+  except Exception as e:  # (the whole batch traced: the step depends on its size)
+    raise errors.BatchDivisibilityError(
+        f"the step does not trace on 1/{divisor} of its batch ({step.batch_size} -> "
+        f"{step.batch_size // divisor} examples): {type(e).__name__}: {e}. Does it take the "
+        f"batch size as a constant (jnp.eye(B), jnp.arange(B), a reshape to B)? Read it "
+        f"from the batch's shape instead.") from e
   if tie_in_loops:
     closed = tie_recomputations(closed, in_loops=True)
   if inline:

@@ -85,6 +85,29 @@ def test_batch_that_does_not_divide_over_devices():
     jd.parallelize(models.regression_step(), method=jd.DataParallel())(state, batch)
 
 
+def test_a_step_that_takes_the_batch_size_as_a_constant():
+  """A step that reshapes its batch to a size written in it traces on the whole batch
+  only (it raised a bare TypeError from jax's reshape): DataParallel runs it as one
+  whole-batch program with a warning; micro-batches, which cannot, raise a typed error."""
+  state, batch = _state()
+  inner = models.regression_step(jd.value_and_grad)
+
+  def step(state, batch):
+    x = batch["x"].reshape(64, 4, 8).reshape(64, 32)
+    return inner(state, {**batch, "x": x})
+
+  f = jd.parallelize(step, method=jd.DataParallel())
+  with pytest.warns(errors.JaxdistWarning, match=r"1/8 of its batch \(64 -> 8.*constant"):
+    exe = f.get_executable(state, batch)
+  assert exe.layout.grad_reduce_specs is None
+  assert any("does not trace" in n for n in exe.plan.notes)
+  want, got = jax.jit(step)(state, batch), f(state, batch)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert float(abs(a - b).max()) < 1e-6
+  with pytest.raises(errors.BatchDivisibilityError, match=r"1/16 of its batch.*reshape"):
+    jd.parallelize(step, method=jd.DataParallel(num_micro_batches=2))(state, batch)
+
+
 def test_mesh_shape_must_multiply_to_device_count():
   with pytest.raises(errors.MeshShapeError, match=r"shape=\(2, 3\).*6 positions but 8 devices"):
     jd.LogicalMesh((2, 3), devices=jax.devices())
