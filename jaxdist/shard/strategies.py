@@ -101,9 +101,11 @@ SCATTERS = frozenset("scatter scatter-mul scatter_mul scatter-min scatter_min sc
                      "scatter_max".split())
 # top_k: XLA's partitioner gathers its operand whole, whatever its split (measured on
 # 2-, 3- and 4-D operands split on dim 0), so planning it replicated is what compiles.
+# random_gamma (jax.random.beta's and gamma's draws; a mixup's mixing weight) draws each
+# element from its own key: replicated, every device draws the same values.
 REPLICATE_QUIETLY = frozenset("while cond scan random_bits random_seed random_wrap random_unwrap "
                               "random_split random_fold_in rng_bit_generator "
-                              "rng_uniform top_k".split())
+                              "rng_uniform top_k random_gamma".split())
 
 
 def _shape(v):
