@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jaxdist import errors
 from jaxdist import jaxpr_util
 from jaxdist.jaxpr_util import MARKERS
+from jaxdist.shard.strategies import ELEMENTWISE
 from jaxdist.trace import BATCH, PARAM, TracedStep
 
 REDUCED = "reduced"
@@ -108,8 +109,8 @@ def coupling_in(jaxpr, batch_vars, size: int, exempt=frozenset(), state=None,
     ins = [None if isinstance(v, jex.Literal) or v in exempt else state.get(v)
            for v in eqn.invars]
     carried = [(k, p) for k, p in enumerate(ins) if isinstance(p, int)]
-    if not carried and REDUCED not in ins:
-      continue
+    if not carried and REDUCED not in ins or _times_zero(eqn):
+      continue  # (x * 0 holds nothing of x: jaxdist.recompute's tie to a cotangent)
     if eqn.primitive.name in MARKERS:  # identities, value by value
       state.update((v, s) for v, s in zip(eqn.outvars, ins) if s is not None)
       continue
@@ -120,6 +121,9 @@ def coupling_in(jaxpr, batch_vars, size: int, exempt=frozenset(), state=None,
     if moved and not _zeroed(eqn.outvars[0], readers):
       return (f"equation {i} ({eqn.primitive.name}) {moved} along the batch axis (a roll, "
               f"reverse, sort, cumulative sum, or part of the examples)")
+    if _pairs_examples(eqn, carried):
+      return (f"equation {i} ({eqn.primitive.name}) pairs examples with each other (a "
+              f"similarity matrix of the batch, in-batch negatives, pairwise distances)")
     indexed = (eqn.params["dimension_numbers"].start_index_map if eqn.primitive.name == "gather"
                else eqn.params["dimension_numbers"].scatter_dims_to_operand_dims
                if eqn.primitive.name.startswith("scatter") else ())
@@ -225,15 +229,18 @@ def _whole_batches(eqn, axis, size: int) -> bool:
 CUMULATIVE = frozenset("cumsum cumprod cummax cummin cumlogsumexp".split())
 
 
+def _times_zero(eqn) -> bool:
+  return eqn.primitive.name == "mul" and any(
+      isinstance(x, jex.Literal) and not _shape(x) and x.val == 0 for x in eqn.invars)
+
+
 def _zeroed(v, readers: dict) -> bool:
   """Whether every reader of ``v`` multiplies it by 0 (through reshapes and casts): the
   one element of a cotangent that ``jaxdist.recompute`` ties a recomputation to."""
   users = readers.get(v, [])
   return bool(users) and all(
       _zeroed(e.outvars[0], readers) if e.primitive.name in ("reshape", "convert_element_type")
-      else e.primitive.name == "mul" and any(
-          isinstance(x, jex.Literal) and not _shape(x) and x.val == 0 for x in e.invars)
-      for e in users)
+      else _times_zero(e) for e in users)
 
 
 def _moves_examples(eqn, carried, size: int) -> str | None:
@@ -262,6 +269,21 @@ def _moves_examples(eqn, carried, size: int) -> str | None:
     if name == "dynamic_update_slice" and k == 0 and _shape(eqn.invars[1])[axis] != shape[axis]:
       return "writes part of the examples"
   return None
+
+
+def _pairs_examples(eqn, carried) -> bool:
+  """Whether an equation meets examples with each other: a dot whose two operands both
+  carry the batch and neither contract it nor batch over it together (a similarity
+  matrix of the batch, ``z @ z.T``), or an elementwise one whose operands carry it on
+  different axes (pairwise distances, ``x[:, None] - x[None, :]``). (A step's backward
+  shows such a pairing too; a pipeline's loss is followed without its backward.)"""
+  if len(carried) < 2:
+    return False
+  if eqn.primitive.name == "dot_general":
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    pair = (carried[0][1], carried[1][1])
+    return pair not in zip(lc, rc) and pair not in zip(lb, rb)
+  return eqn.primitive.name in ELEMENTWISE and len({int(a) for _, a in carried}) > 1
 
 
 def _mixed_loss(eqns, value, state: dict) -> str | None:
