@@ -473,7 +473,7 @@ class ParallelizedFunc:
 
     if compile and _evaluation(step):
       return self._evaluation_executable(args, static, lmesh)
-    index = loss_equation(step.closed_jaxpr.jaxpr)
+    index = loss_equation(step.closed_jaxpr.jaxpr, step.unseen_gradients)
     runtime, why_not = self.method.runtime, None
     if runtime == "auto" and self.method.pipeline_schedule == "1f1b":
       runtime, why_not = "mpmd", spmd.WHY_1F1B_ON_THE_DRIVER

@@ -669,6 +669,23 @@ def test_pipeline_errors():
                        make(), {"batch": batch, "n": jnp.int32(0)})
   with pytest.raises(errors.GradientMarkerError, match=r"jaxdist.value_and_grad instead"):
     run(jd.PipeshardParallel(), models.lm_step())  # plain jax.value_and_grad
+  data = models.regression_batch(16, 8)
+  mlp = models.create_state(models.MLP(hidden=8, num_layers=1), data["x"], tx=optax.sgd(0.1))
+  mse = lambda p, x, y: jnp.mean((mlp.apply_fn(p, x) - y) ** 2)
+
+  def per_example(state, batch):  # DP-SGD's gradients (was a NotImplementedError of jax's)
+    grads = jax.vmap(jd.grad(lambda p, x, y: mse(p, x[None], y[None])), in_axes=(None, 0, 0))(
+        state.params, batch["x"], batch["y"])
+    return state.apply_gradients(grads=jax.tree.map(lambda g: g.mean(0), grads))
+
+  def two_losses(state, batch):
+    grads = jax.grad(mse)(state.params, batch["x"], batch["y"])
+    again = jax.grad(mse)(state.params, batch["x"] * 2, batch["y"])
+    return state.apply_gradients(grads=jax.tree.map(jnp.add, grads, again))
+
+  for step, message in ((per_example, "under jax.vmap"), (two_losses, "none of its 2 jax.grad")):
+    with pytest.raises(errors.GradientMarkerError, match=message):
+      jd.parallelize(step, method=jd.PipeshardParallel()).get_executable(mlp, data)
 
   make, batch = _gpt(mark_boundaries=False)
   with pytest.raises(errors.InvalidArgumentError, match=r"marks no layer boundary"):

@@ -19,9 +19,9 @@ import dataclasses
 
 import jax
 import jax.extend.core as jex
-from jax.interpreters import mlir
+from jax.interpreters import batching, mlir
 
-from jaxdist import jaxpr_util
+from jaxdist import errors, jaxpr_util
 
 VALUE, AUX, GRAD = "value", "aux", "grad"
 
@@ -65,6 +65,17 @@ def _abstract(*avals, loss):
 
 
 pipeline_loss_p.def_abstract_eval(_abstract)
+
+
+def _vmapped(*args, **kwargs):
+  raise errors.GradientMarkerError(
+      "PipeshardParallel pipelines the function the step differentiates, and this step "
+      "differentiates it under jax.vmap (per-example gradients, as DP-SGD takes them): a "
+      "pipeline cannot split a vmapped gradient into stages. Use DataParallel, ZeRO or "
+      "ShardParallel for this step.")
+
+
+batching.primitive_batchers[pipeline_loss_p] = _vmapped
 mlir.register_lowering(pipeline_loss_p, mlir.lower_fun(
     lambda *xs, loss: loss.value_and_grad(*xs), multiple_results=True))
 

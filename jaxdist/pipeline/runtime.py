@@ -149,8 +149,9 @@ def replicate(x: jax.Array, full: NamedSharding) -> jax.Array:
   return jax.make_array_from_single_device_arrays(x.shape, full, shards, dtype=x.dtype)
 
 
-def loss_equation(jaxpr) -> int:
-  """Index of the step's one ``pipeline_loss`` equation.
+def loss_equation(jaxpr, unseen: int = 0) -> int:
+  """Index of the step's one ``pipeline_loss`` equation (``unseen``: how many plain
+  gradient calls the step made that jaxdist could not take, for the error).
 
   Raises:
     GradientMarkerError: the step differentiates with jaxdist.value_and_grad not exactly
@@ -158,9 +159,14 @@ def loss_equation(jaxpr) -> int:
     InvalidArgumentError: a pipeline boundary is marked outside the loss.
   """
   found = jaxpr_util.find_eqns(jaxpr, capture.pipeline_loss_p.name)
-  if len(found) != 1 or jaxpr_util.count_primitive(jaxpr, capture.pipeline_loss_p.name) != 1:
+  total = jaxpr_util.count_primitive(jaxpr, capture.pipeline_loss_p.name)
+  if len(found) != 1 or total != 1:
+    seen = ("found none" + (f" of its {unseen} jax.grad / value_and_grad calls usable"
+                            if unseen else "") if not total else
+            f"found {total} (a pipeline runs one differentiated function by stages: a GAN's "
+            f"two losses are not one)" if total > 1 else "found it inside a loop or cond")
     raise errors.GradientMarkerError(
-        f"PipeshardParallel pipelines the function the step differentiates, and found none: "
+        f"PipeshardParallel pipelines the function the step differentiates, and {seen}: "
         f"{SEEN}; jitted helpers are fine, loops and conds are not. Use "
         f"jaxdist.value_and_grad instead of jax's if it is bound elsewhere.")
   if jaxpr_util.count_primitive(jaxpr, layers_mod.boundary_p.name):
