@@ -138,6 +138,12 @@ def coupling_in(jaxpr, batch_vars, size: int, exempt=frozenset(), state=None,
       found = _scan_coupling(eqn, ins, size)
       if found:
         return f"equation {i} (scan) {found}"
+    if eqn.primitive.name == "while":
+      found, outs = _while_coupling(eqn, ins, size)
+      if found:
+        return f"equation {i} (while) {found}"
+      state.update((v, s) for v, s in zip(eqn.outvars, outs) if s is not None)
+      continue
     outs = _propagate(eqn, carried, size) if carried else [REDUCED] * len(eqn.outvars)
     for v, s in zip(eqn.outvars, outs):
       if s is not None:
@@ -159,18 +165,52 @@ def _scan_coupling(eqn, ins: list, size: int) -> str | None:
             "are split on dim 0: is the sequence time-major?)")
   inner = {v: s - (k in xs) if isinstance(s, int) else s
            for k, (v, s) in enumerate(zip(body.invars, ins)) if s is not None}
-  for _ in range(2):  # then with the axes the carry leaves the first step with
-    state = {v: s for v, s in inner.items() if s != -1}
+  found, _ = _body_coupling(body, {v: s for v, s in inner.items() if s != -1},
+                            body.invars[consts:consts + carries], body.outvars[:carries], size)
+  return found and f"mixes examples in its body: {found}"
+
+
+def _while_coupling(eqn, ins: list, size: int) -> tuple[str | None, list]:
+  """How a ``while`` loop mixes examples (``ins`` as for :func:`_scan_coupling`), or
+  None, and its outputs' batch axes: its body mixes them, or its condition does, or it
+  stops on a statistic over the batch (a fixed point iterated until every example
+  converged: per device, each device would stop when its own examples had)."""
+  cond, body = eqn.params["cond_jaxpr"].jaxpr, eqn.params["body_jaxpr"].jaxpr
+  cond_consts, body_consts = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+  carry = ins[cond_consts + body_consts:]
+  found, state = _body_coupling(
+      body, {v: s for v, s in zip(body.invars, ins[cond_consts:]) if s is not None},
+      body.invars[body_consts:], body.outvars, size)
+  if found:
+    return f"mixes examples in its body: {found}", []
+  carry = [s if s is not None or isinstance(o, jex.Literal) else state.get(o)
+           for s, o in zip(carry, body.outvars)]
+  inner = {v: s for v, s in zip(cond.invars, ins[:cond_consts] + carry) if s is not None}
+  found = coupling_in(cond, (), size, state=inner)
+  if found:
+    return f"mixes examples in its condition: {found}", []
+  test = cond.outvars[0]
+  if (not isinstance(test, jex.Literal) and inner.get(test) == REDUCED
+      and any(isinstance(s, int) for s in carry)):
+    return ("runs until a statistic over the batch says so (a fixed point iterated until "
+            "every example converged)"), []
+  return None, carry
+
+
+def _body_coupling(body, inner: dict, carry_in, carry_out, size: int) -> tuple[str | None, dict]:
+  """:func:`coupling_in` of a loop ``body`` whose inputs hold ``inner``'s batch axes, then
+  again with the axes its carry leaves the first step with; what it found and its states."""
+  for _ in range(2):
+    state = dict(inner)
     found = coupling_in(body, (), size, state=state)
     if found:
-      return f"mixes examples in its body: {found}"
-    out = [state.get(v) for v in body.outvars[:carries]]
-    grown = {v: s for v, s in zip(body.invars[consts:consts + carries], out)
-             if s is not None and v not in inner}
+      return found, state
+    grown = {v: state[o] for v, o in zip(carry_in, carry_out)
+             if not isinstance(o, jex.Literal) and state.get(o) is not None and v not in inner}
     if not grown:
-      return None
-    inner.update(grown)
-  return None
+      break
+    inner = {**inner, **grown}
+  return None, state
 
 
 def _recurs_over(body, consts: int, carries: int, along: int) -> bool:

@@ -312,3 +312,38 @@ def test_two_views_of_the_batch_split_back_stay_per_device(views):
     return jax.tree.map(lambda a, g: a - 0.1 * g, params, grads), loss
 
   assert batch_coupling(trace_step(step, (params, batch), (), (1,), "auto")) is None
+
+
+def test_a_loop_that_stops_on_a_batch_statistic_couples_examples():
+  """A fixed point iterated until every example converged (``max |z' - z| > tol`` over
+  the batch): per device, each device stopped when its own examples had, and
+  DataParallel's update was 1.4e-2 off serial without a word. A loop of a fixed count
+  stays per device."""
+  keys = jax.random.split(jax.random.key(0), 4)
+  batch = {"x": jax.random.normal(keys[0], (64, 16)), "y": jax.random.normal(keys[1], (64,))}
+  params = {"w": jax.random.normal(keys[2], (16, 16)) / 8,
+            "u": jax.random.normal(keys[3], (16, 16)) / 4}
+
+  def fixed_point(p, x, converged):
+    def body(carry):
+      z, i, _ = carry
+      new = jnp.tanh(z @ p["w"] + x @ p["u"])
+      return new, i + 1, jnp.max(jnp.abs(new - z))
+    return jax.lax.while_loop(converged, body, (jnp.zeros_like(x), 0, jnp.inf))[0]
+
+  def make_step(converged):
+    def step(params, batch):
+      def loss_fn(p):
+        z = fixed_point(jax.lax.stop_gradient(p), batch["x"], converged)
+        return jnp.mean((jnp.tanh(z @ p["w"] + batch["x"] @ p["u"]).sum(-1) - batch["y"]) ** 2)
+      loss, grads = jd.value_and_grad(loss_fn)(params)
+      return jax.tree.map(lambda a, g: a - 0.1 * g, params, grads), loss
+    return step
+
+  step = make_step(lambda c: (c[1] < 30) & (c[2] > 3e-2))
+  assert "statistic over the batch" in batch_coupling(
+      trace_step(step, (params, batch), (), (1,), "auto"))
+  f = jd.parallelize(step, method=jd.DataParallel())
+  assert_trees_close(f(params, batch), serial(step, params, batch), rtol=1e-5, atol=1e-6)
+  counted = make_step(lambda c: c[1] < 30)
+  assert batch_coupling(trace_step(counted, (params, batch), (), (1,), "auto")) is None
