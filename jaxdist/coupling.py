@@ -138,10 +138,13 @@ def coupling_in(jaxpr, batch_vars, size: int, exempt=frozenset(), state=None,
       found = _scan_coupling(eqn, ins, size)
       if found:
         return f"equation {i} (scan) {found}"
-    if eqn.primitive.name == "while":
-      found, outs = _while_coupling(eqn, ins, size)
+    call = _called(eqn)
+    if call is not None or eqn.primitive.name in ("while", "cond"):
+      found, outs = (_call_coupling(call, ins, size) if call is not None else
+                     (_while_coupling if eqn.primitive.name == "while" else _cond_coupling)(
+                         eqn, ins, size))
       if found:
-        return f"equation {i} (while) {found}"
+        return f"equation {i} ({eqn.primitive.name}) {found}"
       state.update((v, s) for v, s in zip(eqn.outvars, outs) if s is not None)
       continue
     outs = _propagate(eqn, carried, size) if carried else [REDUCED] * len(eqn.outvars)
@@ -195,6 +198,42 @@ def _while_coupling(eqn, ins: list, size: int) -> tuple[str | None, list]:
     return ("runs until a statistic over the batch says so (a fixed point iterated until "
             "every example converged)"), []
   return None, carry
+
+
+def _called(eqn):
+  """The jaxpr a call-like equation runs on its operands (``jax.checkpoint``'s,
+  ``custom_vjp``'s and ``custom_jvp``'s calls in a forward-only trace, a pipeline's
+  loss), or None."""
+  subs = list(jex.jaxprs_in_params(eqn.params))
+  if (len(subs) == 1 and eqn.primitive.name not in ("while", "scan", "cond")
+      and len(subs[0].invars) == len(eqn.invars) and len(subs[0].outvars) == len(eqn.outvars)):
+    return subs[0]
+  return None
+
+
+def _call_coupling(jaxpr, ins: list, size: int) -> tuple[str | None, list]:
+  state = {v: s for v, s in zip(jaxpr.invars, ins) if s is not None}
+  found = coupling_in(jaxpr, (), size, state=state)
+  return (found and f"calls a function that mixes examples: {found}",
+          [None if isinstance(v, jex.Literal) else state.get(v) for v in jaxpr.outvars])
+
+
+def _cond_coupling(eqn, ins: list, size: int) -> tuple[str | None, list]:
+  """How a ``cond``'s branches mix examples (``ins`` as for :func:`_scan_coupling`; a
+  branch that centers on the batch's mean), or None, and its outputs' batch axes (reduced
+  where a branch reduces, else a branch's axis)."""
+  outs = [None] * len(eqn.outvars)
+  for branch in eqn.params["branches"]:
+    jaxpr = branch.jaxpr
+    state = {v: s for v, s in zip(jaxpr.invars, ins[1:]) if s is not None}
+    found = coupling_in(jaxpr, (), size, state=state)
+    if found:
+      return f"mixes examples in a branch: {found}", []
+    for k, v in enumerate(jaxpr.outvars):
+      s = None if isinstance(v, jex.Literal) else state.get(v)
+      if outs[k] != REDUCED and (s == REDUCED or outs[k] is None):
+        outs[k] = s
+  return None, outs
 
 
 def _body_coupling(body, inner: dict, carry_in, carry_out, size: int) -> tuple[str | None, dict]:

@@ -358,12 +358,33 @@ def _two_views():
   return step, make_state, batch
 
 
-@pytest.mark.parametrize("workload", [contrastive, _two_views, _rmse],
-                         ids=["contrastive", "two-views", "rmse"])
+def _centered(wrap):
+  """(step, make_state, batch): an MLP whose hidden layer is centered on the batch's mean
+  inside ``wrap`` (a checkpointed function, a conditional's branch): the pipeline's loss
+  is traced forward only, where such calls stay closed."""
+  batch = models.regression_batch(32, 16)
+  make_state = lambda: {"w": jax.random.normal(jax.random.key(0), (16, 8)) / 4}
+
+  def step(state, batch):
+    def loss_fn(w):
+      h = wrap(lambda h: h - h.mean(0))(batch["x"] @ w)
+      return jnp.mean((jnp.tanh(h) - batch["y"]) ** 2)
+
+    loss, grad = jd.value_and_grad(loss_fn)(state["w"])
+    return {"w": state["w"] - 0.1 * grad}, {"loss": loss}
+
+  return step, make_state, batch
+
+
+@pytest.mark.parametrize("workload", [
+    contrastive, _two_views, _rmse, lambda: _centered(jax.checkpoint),
+    lambda: _centered(lambda f: lambda h: jax.lax.cond(True, f, lambda h: h, h))],
+    ids=["contrastive", "two-views", "rmse", "checkpointed", "branch"])
 def test_a_loss_that_mixes_examples_runs_no_stage_per_device(workload):
   """A contrastive loss or an RMSE in one micro-batch: a stage run per device would compute
   it on each device's share (the contrastive loss was 2.2 off serial, SimCLR's over two
-  views 0.35, both without a word); the stages keep
+  views 0.35, a centering inside jax.checkpoint or a cond's branch 1e-2, all without a
+  word); the stages keep
   their shard plans, over the whole micro-batch, and the plan says why. Split into
   micro-batches, the RMSE's forward shows no batch statistic, and it warns all the same."""
   step, make_state, batch = workload()
