@@ -587,12 +587,17 @@ class ParallelizedFunc:
             "predicted collectives (each split parameter gathered for the forward and for "
             "the backward) may differ from the compiled ones"))
       elif isinstance(method, (m.Zero2Parallel, m.Zero3Parallel)) and step.marker_index is not None:
-        from jaxdist.estimate import examples_reduced_in_update
+        from jaxdist.estimate import examples_reduced_in_update, unmodelled_update
+        notes = []
         if examples_reduced_in_update(step):
-          layout = dataclasses.replace(layout, notes=(
-              *layout.notes, "the update sums per-example aux outputs of the gradient (usage "
-              "counts, say): XLA gathers the examples or reduces their partial sums itself, "
-              "so the predicted collectives leave those out"))
+          notes.append("the update sums per-example aux outputs of the gradient (usage "
+                       "counts, say): XLA gathers the examples or reduces their partial sums "
+                       "itself, so the predicted collectives leave those out")
+        if layout.grad_reduce_specs is not None and (ops := unmodelled_update(step, layout, lmesh)):
+          notes.append(f"the update runs {'/'.join(ops)} on split state or gradients (Muon's "
+                       f"Newton-Schulz iterations, say): XLA gathers or reduces for them "
+                       f"itself, so the predicted collectives leave those out")
+        layout = dataclasses.replace(layout, notes=(*layout.notes, *notes))
     if layout.grad_reduce_specs is not None:
       divisor = layout.num_micro_batches * math.prod(
           layout.logical_mesh.axis_size(a) for a in layout.batch_axes)

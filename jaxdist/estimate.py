@@ -613,7 +613,8 @@ def fixed_layout_collectives(method, traced, layout, lmesh):
   return out
 
 
-def _split_reductions(traced, layout, lmesh) -> list[tuple[float, Any, str]]:
+def _split_reductions(traced, layout, lmesh, unmodelled: list | None = None
+                      ) -> list[tuple[float, Any, str]]:
   """(result bytes, dtype, primitive) of each reduction the update makes across a split
   dimension of the state or the reduce-scattered gradients (global-norm clipping's sums of squares,
   LAMB's norms): the partial results are all-reduced. Splits are followed through
@@ -636,8 +637,17 @@ def _split_reductions(traced, layout, lmesh) -> list[tuple[float, Any, str]]:
       lmesh.axis_size(a) for a in layout.batch_axes) > 1:
     split.update(_per_example_aux(traced))
   out = []
-  _follow_splits(jaxpr.eqns[traced.marker_index + 1:], split, out)
+  _follow_splits(jaxpr.eqns[traced.marker_index + 1:], split, out, unmodelled)
   return out
+
+
+def unmodelled_update(traced, layout, lmesh) -> list[str]:
+  """The primitives by which the update multiplies or loops over split state or split
+  gradients (Muon's Newton-Schulz iterations, Shampoo's preconditioners): XLA gathers or
+  reduces for them as it chooses, which the predicted collectives leave out."""
+  found = []
+  _split_reductions(traced, layout, lmesh, found)
+  return sorted(set(found))
 
 
 def _per_example_aux(traced) -> dict:
@@ -656,19 +666,24 @@ def examples_reduced_in_update(traced) -> bool:
   return bool(out)
 
 
-def _follow_splits(eqns, split: dict, out: list) -> None:
+def _follow_splits(eqns, split: dict, out: list, unmodelled: list | None = None) -> None:
   """:func:`_split_reductions`' walk over ``eqns``: ``split`` maps a value to its split
-  dimensions (updated); each reduction across one is appended to ``out``."""
+  dimensions (updated); each reduction across one is appended to ``out``, and to
+  ``unmodelled`` the name of each matrix product or loop reading one otherwise."""
   for eqn in eqns:
     ins = [(v, split[v]) for v in eqn.invars if not isinstance(v, jex.Literal) and v in split]
     if not ins:
       continue
     name = eqn.primitive.name
+    if unmodelled is not None and name in ("dot_general", "conv_general_dilated", "scan",
+                                           "while") and not (
+        name == "dot_general" and len(ins) == 2 and _contracts_split(eqn, ins)):
+      unmodelled.append(name)
     if name == "cond":
       for branch in eqn.params["branches"]:
         inner = {b: split[v] for b, v in zip(branch.jaxpr.invars, eqn.invars[1:])
                  if not isinstance(v, jex.Literal) and v in split}
-        _follow_splits(branch.jaxpr.eqns, inner, out)
+        _follow_splits(branch.jaxpr.eqns, inner, out, unmodelled)
     elif name in ELEMENTWISE:  # (an operand's size-1 dims broadcast: one-hot's ``eq``)
       shape = eqn.outvars[0].aval.shape
       found = next((kept for v, d in ins if len(v.aval.shape) == len(shape)
@@ -680,10 +695,16 @@ def _follow_splits(eqns, split: dict, out: list) -> None:
       split[eqn.outvars[0]] = frozenset(eqn.params["broadcast_dimensions"][d] for d in ins[0][1])
     elif name == "transpose":
       split[eqn.outvars[0]] = frozenset(eqn.params["permutation"].index(d) for d in ins[0][1])
-    elif name == "dot_general" and len(ins) == 2:  # both split on a contracted dim: partial
-      (lc, rc), _ = eqn.params["dimension_numbers"]  # products, summed across the devices
-      if any(a in ins[0][1] and b in ins[1][1] for a, b in zip(lc, rc)):
-        out.append((nbytes(eqn.outvars[0]), eqn.outvars[0].aval.dtype, "reduce_sum"))
+    elif name == "reshape":  # a split dim kept whole, with as many elements before it
+      shape, out_shape = ins[0][0].aval.shape, eqn.outvars[0].aval.shape
+      kept = frozenset(q for d in ins[0][1] for q in range(len(out_shape))
+                       if out_shape[q] == shape[d]
+                       and math.prod(out_shape[:q]) == math.prod(shape[:d]))
+      if kept:
+        split[eqn.outvars[0]] = kept
+    elif name == "dot_general" and len(ins) == 2 and _contracts_split(eqn, ins):
+      # both split on a contracted dim: partial products, summed across the devices
+      out.append((nbytes(eqn.outvars[0]), eqn.outvars[0].aval.dtype, "reduce_sum"))
     elif name in REDUCTIONS and len(ins) == 1:
       axes, held = set(eqn.params["axes"]), ins[0][1]
       kept = [d for d in range(len(ins[0][0].aval.shape)) if d not in axes]
@@ -692,6 +713,12 @@ def _follow_splits(eqns, split: dict, out: list) -> None:
       rest = frozenset(kept.index(d) for d in held - axes)
       if rest:
         split[eqn.outvars[0]] = rest
+
+
+def _contracts_split(eqn, ins) -> bool:
+  """Whether a dot's two operands are split on a pair of its contracted dims."""
+  (lc, rc), _ = eqn.params["dimension_numbers"]
+  return any(a in ins[0][1] and b in ins[1][1] for a, b in zip(lc, rc))
 
 
 def _gathers(traced, layout, lmesh) -> list[tuple[Any, int]]:
