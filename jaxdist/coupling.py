@@ -9,10 +9,14 @@ own shard's statistics instead, which the single-device step does not do.
 :func:`batch_coupling` follows the batch axis through the step's jaxpr: every value either
 carries the batch axis at some position, is *reduced* over it (a batch statistic, a
 weight gradient, the loss), or does not depend on the batch. An equation that combines a
-reduced value with a value that still carries the batch axis couples examples. Values
-whose batch axis it cannot follow (an op without a rule below that drops the axis) are no
+reduced value with a value that still carries the batch axis couples examples, and so
+does one that moves examples along it (a roll, a sort, a cumulative sum, a slice), pairs
+them (``z @ z.T``), or indexes them by indices that are no example's own. Values whose
+batch axis it cannot follow (an op without a rule below that drops the axis) are no
 longer tracked, so an exotic step may go unnoticed; ordinary ones (elementwise ops,
-broadcasts, reshapes, transposes, dots, convolutions, reductions, gathers) are followed.
+broadcasts, reshapes, also merging the batch with the dims after it, transposes, dots,
+convolutions, reductions, gathers, concatenations of whole batches) are followed, and so
+are the bodies of loops, conditionals and calls (``jax.checkpoint``, ``custom_vjp``).
 """
 
 from __future__ import annotations

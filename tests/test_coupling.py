@@ -184,6 +184,21 @@ def test_a_graph_s_edges_reading_their_nodes_couple_examples():
   assert batch_coupling(traced) is None
 
 
+def _linear_step(mix):
+  """(step, params, batch): a linear regression over 64 examples whose predictions pass
+  through ``mix`` before the loss, SGD."""
+  keys = jax.random.split(jax.random.key(0), 3)
+  batch = {"x": jax.random.normal(keys[0], (64, 16)), "y": jax.random.normal(keys[1], (64,))}
+  params = {"w": jax.random.normal(keys[2], (16,)) / 4}
+
+  def step(params, batch):
+    loss, grads = jd.value_and_grad(
+        lambda p: jnp.mean((mix(batch["x"] @ p["w"]) - batch["y"]) ** 2))(params)
+    return jax.tree.map(lambda a, g: a - 0.1 * g, params, grads), loss
+
+  return step, params, batch
+
+
 @pytest.mark.parametrize("mix", [
     lambda h: h - jnp.roll(h, 1, axis=0),
     lambda h: h * h[::-1],
@@ -205,14 +220,7 @@ def test_moving_examples_along_the_batch_axis_couples_them(mix):
   of two views of the batch): DataParallel's update was 0.2 to 1.2 off serial without a
   word (the halves raised a TypeError; a SimCLR step's, 0.5). Now such a step runs as one
   whole-batch program."""
-  keys = jax.random.split(jax.random.key(0), 3)
-  batch = {"x": jax.random.normal(keys[0], (64, 16)), "y": jax.random.normal(keys[1], (64,))}
-  params = {"w": jax.random.normal(keys[2], (16,)) / 4}
-
-  def step(params, batch):
-    loss, grads = jd.value_and_grad(
-        lambda p: jnp.mean((mix(batch["x"] @ p["w"]) - batch["y"]) ** 2))(params)
-    return jax.tree.map(lambda a, g: a - 0.1 * g, params, grads), loss
+  step, params, batch = _linear_step(mix)
 
   assert batch_coupling(trace_step(step, (params, batch), (), (1,), "auto")) is not None
   f = jd.parallelize(step, method=jd.DataParallel())
@@ -302,14 +310,7 @@ def test_two_views_of_the_batch_split_back_stay_per_device(views):
   """A discriminator reading real and generated examples as one batch
   (``concatenate([real, fake])``) and splitting its outputs back into whole batches
   reads each example alone: the step keeps the per-device path."""
-  keys = jax.random.split(jax.random.key(0), 3)
-  batch = {"x": jax.random.normal(keys[0], (64, 16)), "y": jax.random.normal(keys[1], (64,))}
-  params = {"w": jax.random.normal(keys[2], (16,)) / 4}
-
-  def step(params, batch):
-    loss, grads = jd.value_and_grad(
-        lambda p: jnp.mean((views(batch["x"] @ p["w"]) - batch["y"]) ** 2))(params)
-    return jax.tree.map(lambda a, g: a - 0.1 * g, params, grads), loss
+  step, params, batch = _linear_step(views)
 
   assert batch_coupling(trace_step(step, (params, batch), (), (1,), "auto")) is None
 
