@@ -285,6 +285,19 @@ def _recurs_over(body, consts: int, carries: int, along: int) -> bool:
   return False
 
 
+def _batched_index_dims(eqn, carried) -> list[bool]:
+  """Per batching dim of a scatter's indices, whether the batch axis of its carried
+  indices or updates is that dim."""
+  dn = eqn.params["dimension_numbers"]
+  rank = len(_shape(eqn.invars[1]))
+  index_dims = [d for d in range(rank) if d != rank - 1]  # (the last holds each index)
+  update_dims = [d for d in range(len(_shape(eqn.invars[2]))) if d not in dn.update_window_dims]
+  axes = {p for kk, p in carried if kk == 1}
+  axes |= {index_dims[update_dims.index(p)] for kk, p in carried
+           if kk == 2 and p in update_dims and update_dims.index(p) < len(index_dims)}
+  return [d in axes for d in dn.scatter_indices_batching_dims]
+
+
 class _Stacked(int):
   """A batch axis made by concatenating whole batches along it (two views of the batch,
   ``concatenate([x1, x2])``): a slice or split of it into whole batches takes every
@@ -651,6 +664,21 @@ def _propagate(eqn, carried, size) -> list:
     return [eqn.params["broadcast_dimensions"][p]] + [None] * (len(eqn.outvars) - 1)
   if name == "transpose":
     return [list(eqn.params["permutation"]).index(p)]
+  if name.startswith("scatter") and k > 0:  # (``k == 0``: the operand, followed below)
+    dn, operand = eqn.params["dimension_numbers"], _shape(eqn.invars[0])
+    windows = [d for d in range(len(operand))
+               if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
+    for kk, pp in carried:  # the batch rides along a window of the updates
+      if kk == 2 and pp in dn.update_window_dims:
+        return [windows[dn.update_window_dims.index(pp)]] * len(eqn.outvars)
+    # Each example scattered into its own row (a cross entropy's gradient at its label,
+    # jax's batched form of it included): the batch is that dim. Scattered to positions
+    # their indices choose otherwise (``segment_sum`` over the batch: class prototypes,
+    # counts): a sum over examples, as a reduction is.
+    extent = _shape(eqn.invars[k])[p]
+    rows = [d for i, d in zip(_batched_index_dims(eqn, carried), dn.operand_batching_dims) if i]
+    rows += [d for d in dn.scatter_dims_to_operand_dims if operand[d] == extent]
+    return [rows[0] if rows else REDUCED] * len(eqn.outvars)
   if name == "concatenate" and eqn.params["dimension"] == p:  # two views of the batch
     stacked = len(carried) == len(eqn.invars) and all(a == p for _, a in carried)
     return [_Stacked(p) if stacked else None]
