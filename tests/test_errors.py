@@ -88,7 +88,8 @@ def test_batch_that_does_not_divide_over_devices():
 def test_a_step_that_takes_the_batch_size_as_a_constant():
   """A step that reshapes its batch to a size written in it traces on the whole batch
   only (it raised a bare TypeError from jax's reshape): DataParallel runs it as one
-  whole-batch program with a warning; micro-batches, which cannot, raise a typed error."""
+  whole-batch program with a warning, a pipeline of one micro-batch runs its stages over
+  all of it; micro-batches, which cannot, raise a typed error."""
   state, batch = _state()
   inner = models.regression_step(jd.value_and_grad)
 
@@ -106,6 +107,14 @@ def test_a_step_that_takes_the_batch_size_as_a_constant():
     assert float(abs(a - b).max()) < 1e-6
   with pytest.raises(errors.BatchDivisibilityError, match=r"1/16 of its batch.*reshape"):
     jd.parallelize(step, method=jd.DataParallel(num_micro_batches=2))(state, batch)
+  # A one-micro-batch pipeline runs its stages over the whole micro-batch instead.
+  pipe = jd.parallelize(step, method=jd.PipeshardParallel(
+      num_micro_batches=1, layer_option=jd.AutoLayerOption(layer_num=2)))
+  exe = pipe.get_executable(state, batch)
+  notes = [st.note for st in exe.stages if st.mesh.num_devices > 1]
+  assert notes and all("does not trace" in note for note in notes), notes
+  for a, b in zip(jax.tree.leaves(pipe(state, batch)), jax.tree.leaves(want)):
+    assert float(abs(a - b).max()) < 1e-6
 
 
 def test_mesh_shape_must_multiply_to_device_count():

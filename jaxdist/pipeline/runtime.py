@@ -914,11 +914,16 @@ class PipelineExecutable:
       # Per device it would divide by each device's own count.
       return "it divides the loss by a sum over the micro-batch (a token count)"
     if n not in self._device_losses:
-      found = [e for e in self._retrace(self._k * n).jaxpr.eqns
-               if e.primitive is capture.pipeline_loss_p]
-      self._device_losses[n] = found[0].params["loss"] if len(found) == 1 else None
-    if self._device_losses[n] is None:
-      return "the per-device trace has no single loss equation"
+      try:
+        found = [e for e in self._retrace(self._k * n).jaxpr.eqns
+                 if e.primitive is capture.pipeline_loss_p]
+      except errors.BatchDivisibilityError as e:  # (the batch size is a constant in it)
+        found = str(e)
+      self._device_losses[n] = (found if isinstance(found, str) else
+                                found[0].params["loss"] if len(found) == 1 else
+                                "the per-device trace has no single loss equation")
+    if isinstance(self._device_losses[n], str):
+      return self._device_losses[n]
     pd = per_device.per_device_stage(self._loss, self._device_losses[n], stage,
                                      self._batch_operand, n, self._whole, self._k * n)
     return pd if isinstance(pd, str) else dataclasses.replace(pd, axes=axes)

@@ -52,7 +52,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxdist import coupling
+from jaxdist import coupling, errors
 from jaxdist import inspect as hlo_inspect
 from jaxdist import jaxpr_util, rng
 from jaxdist import methods as m
@@ -223,7 +223,10 @@ def plan(method: m.PipeshardParallel, step: TracedStep, lmesh: LogicalMesh, inde
     if is_batched and (not shape or shape[0] != batch):
       return (f"the stack's input {x} ({x.aval.str_short()}) depends on the batch but its "
               f"dim 0 is not the batch size {batch}")
-  micro = retrace(k * d)
+  try:
+    micro = retrace(k * d)
+  except errors.BatchDivisibilityError as e:  # (the batch size is a constant in the step)
+    return str(e)
   micro_eqns = [e for e in micro.jaxpr.eqns if e.primitive is capture.pipeline_loss_p]
   local = micro_eqns[0].params["loss"].closed.jaxpr if len(micro_eqns) == 1 else None
   if local is None or [e.primitive for e in local.eqns] != [e.primitive for e in loss_jaxpr.eqns]:
