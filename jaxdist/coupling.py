@@ -14,7 +14,7 @@ does one that moves examples along it (a roll, a sort, a cumulative sum, a slice
 them (``z @ z.T``), or indexes them by indices that are no example's own. Values whose
 batch axis it cannot follow (an op without a rule below that drops the axis) are no
 longer tracked, so an exotic step may go unnoticed; ordinary ones (elementwise ops,
-broadcasts, reshapes, also merging the batch with the dims after it, transposes, dots,
+broadcasts, reshapes, also merging the batch with the dims before or after it, transposes, dots,
 convolutions, reductions, gathers, concatenations of whole batches) are followed, and so
 are the bodies of loops, conditionals and calls (``jax.checkpoint``, ``custom_vjp``).
 """
@@ -170,7 +170,7 @@ def _scan_coupling(eqn, ins: list, size: int) -> str | None:
   if along and _recurs_over(body, consts, carries, along):
     return ("carries state from example to example along the batch axis (batch arguments "
             "are split on dim 0: is the sequence time-major?)")
-  inner = {v: s - (k in xs) if isinstance(s, int) else s
+  inner = {v: _at(s, s - (k in xs)) if isinstance(s, int) else s
            for k, (v, s) in enumerate(zip(body.invars, ins)) if s is not None}
   found, _ = _body_coupling(body, {v: s for v, s in inner.items() if s != -1},
                             body.invars[consts:consts + carries], body.outvars[:carries], size)
@@ -304,6 +304,50 @@ class _Stacked(int):
   example (``z[:n]``, ``z[n:]``)."""
 
 
+class _Merged(int):
+  """A batch axis merged with dims before it (a time-major sequence's tokens flattened,
+  ``(L, B, D) -> (L * B, D)``): its index is (outer, example, inner) with ``outer`` > 1,
+  so each example's elements are spread over it rather than a contiguous block."""
+
+  def __new__(cls, axis: int, outer: int):
+    merged = super().__new__(cls, axis)
+    merged.outer = outer
+    return merged
+
+
+def _at(p, q: int):
+  """Axis ``q`` holding the batch as axis ``p`` does (stacked, merged or plainly)."""
+  return _Merged(q, p.outer) if isinstance(p, _Merged) else type(p)(q)
+
+
+def _outer(p, extent: int, size: int) -> int:
+  """How many times the batch repeats along its axis ``p`` of ``extent``: its index is
+  (outer, example, inner); 1 where examples are contiguous blocks of it."""
+  if isinstance(p, _Merged):
+    return p.outer
+  return extent // size if isinstance(p, _Stacked) else 1
+
+
+def _reshaped(p, before: tuple, after: tuple, size: int):
+  """The axis of ``after`` holding the batch that axis ``p`` of ``before`` holds, or None
+  where no single axis does. The batch's digit of a flat index has ``outer`` digits
+  before it and ``inner`` elements after it; an axis of ``after`` holds it when its
+  elements step by a divisor of ``inner`` and its extent wraps at a multiple of the
+  batch's period."""
+  o = _outer(p, before[p], size)
+  if before[p] % (o * size):
+    return None
+  outer = math.prod(before[:p]) * o
+  inner = before[p] // (o * size) * math.prod(before[p + 1:])
+  for q, extent in enumerate(after):
+    stride = math.prod(after[q + 1:])
+    if extent and outer % math.prod(after[:q]) == 0 and inner % stride == 0 and (
+        extent * stride) % (size * inner) == 0:
+      wraps = extent * stride // (size * inner)
+      return _Merged(q, wraps) if wraps > 1 else q
+  return None
+
+
 def _whole_batches(eqn, axis, size: int) -> bool:
   """Whether a ``slice`` or ``split`` of a stacked batch ``axis`` cuts it into whole
   batches, or a ``pad`` adds whole batches to it (a slice's transpose)."""
@@ -379,7 +423,7 @@ def _pairs_examples(eqn, carried) -> bool:
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     pair = (carried[0][1], carried[1][1])
     return pair not in zip(lc, rc) and pair not in zip(lb, rb)
-  return eqn.primitive.name in ELEMENTWISE and len({int(a) for _, a in carried}) > 1
+  return eqn.primitive.name in ELEMENTWISE and len({(int(a), getattr(a, "outer", 1)) for _, a in carried}) > 1
 
 
 def _mixed_loss(eqns, value, state: dict) -> str | None:
@@ -641,36 +685,36 @@ def _propagate(eqn, carried, size) -> list:
     axes = tuple(eqn.params.get("axes", ()))
     if p in axes:
       return [REDUCED] * len(eqn.outvars)
-    return [p - sum(a < p for a in axes)] * len(eqn.outvars)
+    return [_at(p, p - sum(a < p for a in axes))] * len(eqn.outvars)
   if name == "dot_general":
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     contract, batch = (lc, lb) if k == 0 else (rc, rb)
     if p in contract:
       return [REDUCED]
     if p in batch:
-      return [batch.index(p)]
+      return [_at(p, batch.index(p))]
     lhs_rank = len(_shape(eqn.invars[0]))
     lfree = [d for d in range(lhs_rank) if d not in lc and d not in lb]
     if k == 0:
-      return [len(lb) + lfree.index(p)]
+      return [_at(p, len(lb) + lfree.index(p))]
     rfree = [d for d in range(len(_shape(eqn.invars[1]))) if d not in rc and d not in rb]
-    return [len(lb) + len(lfree) + rfree.index(p)]
+    return [_at(p, len(lb) + len(lfree) + rfree.index(p))]
   if name == "conv_general_dilated":
     dn = eqn.params["dimension_numbers"]
     if k == 0 and p == dn.lhs_spec[0]:
-      return [dn.out_spec[0]]
+      return [_at(p, dn.out_spec[0])]
     return [REDUCED]  # a kernel gradient: the batch is contracted
   if name == "broadcast_in_dim":
-    return [eqn.params["broadcast_dimensions"][p]] + [None] * (len(eqn.outvars) - 1)
+    return [_at(p, eqn.params["broadcast_dimensions"][p])] + [None] * (len(eqn.outvars) - 1)
   if name == "transpose":
-    return [list(eqn.params["permutation"]).index(p)]
+    return [_at(p, list(eqn.params["permutation"]).index(p))]
   if name.startswith("scatter") and k > 0:  # (``k == 0``: the operand, followed below)
     dn, operand = eqn.params["dimension_numbers"], _shape(eqn.invars[0])
     windows = [d for d in range(len(operand))
                if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
     for kk, pp in carried:  # the batch rides along a window of the updates
       if kk == 2 and pp in dn.update_window_dims:
-        return [windows[dn.update_window_dims.index(pp)]] * len(eqn.outvars)
+        return [_at(pp, windows[dn.update_window_dims.index(pp)])] * len(eqn.outvars)
     # Each example scattered into its own row (a cross entropy's gradient at its label,
     # jax's batched form of it included): the batch is that dim. Scattered to positions
     # their indices choose otherwise (``segment_sum`` over the batch: class prototypes,
@@ -678,24 +722,19 @@ def _propagate(eqn, carried, size) -> list:
     extent = _shape(eqn.invars[k])[p]
     rows = [d for i, d in zip(_batched_index_dims(eqn, carried), dn.operand_batching_dims) if i]
     rows += [d for d in dn.scatter_dims_to_operand_dims if operand[d] == extent]
-    return [rows[0] if rows else REDUCED] * len(eqn.outvars)
+    return [_at(p, rows[0]) if rows else REDUCED] * len(eqn.outvars)
   if name == "concatenate" and eqn.params["dimension"] == p:  # two views of the batch
-    stacked = len(carried) == len(eqn.invars) and all(a == p for _, a in carried)
+    stacked = len(carried) == len(eqn.invars) and all(
+        a == p and not isinstance(a, _Merged) for _, a in carried)
     return [_Stacked(p) if stacked else None]
   if (name in ("slice", "split") and isinstance(p, _Stacked)
       or name == "pad" and any(eqn.params["padding_config"][p])):  # whole batches (checked)
     return [_Stacked(p) if s[p] > size else int(p) for s in out_shapes]
   if name in ("reshape", "squeeze", "expand_dims"):
-    # The axis whose elements before it are those before the batch axis here, if its
-    # extent is a multiple of the batch's: examples stay contiguous blocks of it, whether
-    # the batch is merged with the dims after it (tokens, ``(B, L, D) -> (B * L, D)``) or
-    # split from them again.
-    before = math.prod(_shape(eqn.invars[0])[:p])
-    shape = out_shapes[0]
-    for q in range(len(shape)):
-      if math.prod(shape[:q]) == before and shape[q] and shape[q] % size == 0:
-        return [q]
-    return [None]
+    # Merging the batch with the dims after it keeps examples contiguous blocks
+    # (``(B, L, D) -> (B * L, D)``: tokens); with dims before it spreads them
+    # (``(L, B, D) -> (L * B, D)``); splitting them again gives the batch axis back.
+    return [_reshaped(p, _shape(eqn.invars[0]), out_shapes[0], size)]
   # Everything else (elementwise, select, gather, concatenate, slices, custom calls):
   # the batch axis stays where it was if the output still has it there, as large.
   extent = _shape(eqn.invars[k])[p]
