@@ -124,6 +124,28 @@ def test_predictions_with_micro_batches(workload, shape, k, costs):
   _assert_predicted_as_compiled(exe)
 
 
+def test_a_loss_value_nothing_reads_is_not_reduced_after_the_loop():
+  """Loss scaling differentiates ``loss * scale`` and returns the unscaled loss as its
+  aux: nothing reads the scaled value, and XLA drops its reduction after the micro-batch
+  loop (2 all-reduces were predicted, 1 compiled)."""
+  data = models.regression_batch(32, 64)
+  state = models.create_state(models.MLP(hidden=64, num_layers=3, out=8), data["x"],
+                              tx=optax.sgd(0.1))
+
+  def step(state, batch):
+    def loss_fn(params):
+      loss = jnp.mean((state.apply_fn(params, batch["x"]) - batch["y"]) ** 2)
+      return loss * 1024.0, loss
+
+    (_, loss), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    return state.apply_gradients(grads=jax.tree.map(lambda g: g / 1024.0, grads)), loss
+
+  exe = jd.parallelize(step, method=jd.ShardParallel(
+      devices=_mesh((8,), H100), num_micro_batches=2)).get_executable(state, data)
+  assert exe.communication()["all-reduce"].count == 1
+  _assert_predicted_as_compiled(exe)
+
+
 def test_a_parameter_split_over_the_batch_axis_enters_the_loop_as_predicted():
   """The embedding split over both axes, the batch over mesh_0 only, 4 micro-batches: the
   table enters the loop gathered over mesh_0, after a collective-permute (its block of
