@@ -102,6 +102,7 @@ def coupling_in(jaxpr, batch_vars, size: int, exempt=frozenset(), state=None,
   first equation not looked at (all are by default)."""
   state = {} if state is None else state
   readers: dict = {}
+  producer = {v: e for e in jaxpr.eqns[:stop] for v in e.outvars}
   for e in jaxpr.eqns[:stop]:
     for v in e.invars:
       if not isinstance(v, jex.Literal):
@@ -131,13 +132,21 @@ def coupling_in(jaxpr, batch_vars, size: int, exempt=frozenset(), state=None,
     indexed = (eqn.params["dimension_numbers"].start_index_map if eqn.primitive.name == "gather"
                else eqn.params["dimension_numbers"].scatter_dims_to_operand_dims
                if eqn.primitive.name.startswith("scatter") else ())
-    if indexed and isinstance(ins[0], int) and not isinstance(ins[1], int) and ins[0] in indexed:
+    if indexed and isinstance(ins[0], int) and ins[0] in indexed and not isinstance(ins[1], int):
       # Indices that are no example's own pick rows of the batch: a graph's edges reading
       # their nodes (x[senders]), a shuffle (x[perm]). A per-example lookup's indices
       # carry the batch (logits[arange(n), labels]); take_along_axis batches over it.
       return (f"equation {i} ({eqn.primitive.name}) indexes examples of the batch by indices "
               f"that are no example's own (a graph's edges reading their nodes, a shuffle of "
               f"the batch)")
+    if (indexed and isinstance(ins[0], int) and ins[0] in indexed and isinstance(
+        state.get(_index_column(eqn.invars[1], indexed.index(ins[0]), producer)), int)):
+      # ... but the batch's own row is an arange's (per device, its own examples'), not
+      # values read from the batch: ``weights[labels]`` with a per-class table passed in
+      # the batch as long as it is reads rows of other devices' part of the table.
+      return (f"equation {i} ({eqn.primitive.name}) indexes examples of the batch by values "
+              f"of the batch (a table passed in the batch argument whose length equals the "
+              f"batch size is split like examples: pass it as an argument of its own)")
     if eqn.primitive.name == "scan":
       found = _scan_coupling(eqn, ins, size)
       if found:
@@ -296,6 +305,21 @@ def _batched_index_dims(eqn, carried) -> list[bool]:
   axes |= {index_dims[update_dims.index(p)] for kk, p in carried
            if kk == 2 and p in update_dims and update_dims.index(p) < len(index_dims)}
   return [d in axes for d in dn.scatter_indices_batching_dims]
+
+
+def _index_column(indices, column: int, producer: dict):
+  """The value that gives ``column`` of a gather's or scatter's ``indices`` (their last
+  dim holds each index): the piece of the concatenation jnp's indexing builds them with
+  (``x[arange(n), labels]``), else the indices themselves."""
+  eqn = producer.get(indices)
+  last = len(_shape(indices)) - 1
+  if eqn is None or eqn.primitive.name != "concatenate" or eqn.params["dimension"] != last:
+    return indices
+  for piece in eqn.invars:
+    if column < _shape(piece)[last]:
+      return piece
+    column -= _shape(piece)[last]
+  return indices
 
 
 class _Stacked(int):
