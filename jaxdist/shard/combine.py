@@ -179,7 +179,10 @@ def predict(graph, choice, cost_model: CostModel,
   at_node = defaultdict(list)
   for k, (kind, axes, nbytes) in graph.collectives(choice, cost_model, at_source, batch_axes,
                                                       held):
-    axes = axes_of(k, axes)
+    inside = axes_of(k, axes)
+    if kind == "all-gather" and batch_axes:  # the batch axes the loop is manual over stay
+      nbytes /= math.prod(sizes[a] for a in axes if a not in inside and a in batch_axes)
+    axes = inside
     if math.prod(sizes[a] for a in axes) > 1:
       at_node[k].append((kind, tuple(axes), nbytes, _reduction(graph.nodes[k], kind)))
   out: dict[str, dict[str, float]] = {}

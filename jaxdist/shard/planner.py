@@ -555,7 +555,11 @@ def _micro_batch_predictions(step: TracedStep, plan: MeshPlan, layout: Layout, k
       entry_moves += [(kind, cost_model.combining.collective_bytes(b, v.aval.dtype))
                       for kind, _, b in cost_model.reshard_collectives(spec, entry, nbytes(v))]
       entered[graph.producer[v][0]] = ((),) * len(leaf.shape)
-  held = lambda flow: entered.get(flow.src) if inside(flow.dst) else None
+  # Read outside the loop in the layout it entered it with (a parameter gathered for the
+  # update too), it is that same gather: XLA computes it once.
+  held = lambda flow: entered.get(flow.src) if inside(flow.dst) or (
+      flow.src in entered
+      and flow.required[choice[graph.nodes[flow.dst].group]] == entered[flow.src]) else None
   # Each marked value is reduced after the loop, where its producer put it: what reads
   # none of them (a metric of the per-example aux) does not wait, and combines with them.
   late = [(*graph.producer[marker.invars[j]], op) for j, ops in reduced.items() for op in ops]
