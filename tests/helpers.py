@@ -168,3 +168,24 @@ class ScannedMLP(nn.Module):
     x, _ = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
                    length=6)()(nn.Dense(128)(x), None)
     return nn.Dense(10)(x)
+
+
+class ViT(nn.Module):
+  """A small ViT: patches of 4x4 pixels, a learned class token and positions, pre-norm
+  attention blocks, an MLP."""
+  width: int = 128
+  depth: int = 4
+
+  @nn.compact
+  def __call__(self, images):
+    b, h, w, c = images.shape
+    x = images.reshape(b, h // 4, 4, w // 4, 4, c).transpose(0, 1, 3, 2, 4, 5)
+    x = nn.Dense(self.width)(x.reshape(b, -1, 16 * c))
+    token = self.param("cls", nn.initializers.zeros, (1, 1, self.width))
+    x = jnp.concatenate([jnp.broadcast_to(token, (b, 1, self.width)), x], 1)
+    x = x + self.param("pos", nn.initializers.normal(0.02), (1, x.shape[1], self.width))
+    for _ in range(self.depth):
+      h_ = nn.LayerNorm()(x)
+      x = x + nn.MultiHeadDotProductAttention(num_heads=4)(h_, h_)
+    x = x + nn.Dense(self.width)(nn.gelu(nn.Dense(4 * self.width)(nn.LayerNorm()(x))))
+    return nn.Dense(8)(x[:, 0])

@@ -19,7 +19,7 @@ from flax.training import train_state
 
 import jaxdist as jd
 from jaxdist import calibration, cli, errors, models
-from helpers import ScannedMLP, budgeted_gpt, dropout_net, make_step_script
+from helpers import ScannedMLP, ViT, budgeted_gpt, dropout_net, make_step_script
 
 # The issue's bound is 10% (measured: 0.95x-1.07x of XLA's bytes for ZeRO and ShardParallel
 # on both workloads, with one and two micro-batches).
@@ -542,6 +542,21 @@ def test_a_tied_output_layer_and_cross_entropy_are_sized_as_xla_folds_them():
                     compile=True)
   compiled = est.compiled["total"]
   assert abs(est.memory_per_device - compiled) <= 0.10 * compiled, est.summary()
+
+
+@pytest.mark.parametrize("method", [jd.DataParallel(), jd.Zero3Parallel()], ids=["dp", "zero3"])
+def test_a_vit_s_gelu_is_sized_as_xla_recomputes_it(method):
+  """GELU's ``0.5 * (1 + tanh(...))`` is read by its forward and its backward multiply;
+  XLA recomputes it in each (a cheap op of one array) and keeps the tanh. Counted as a
+  buffer, a ViT's estimate was 1.07x (DataParallel) and 1.14x (ZeRO-3) of XLA's bytes."""
+  data = models.regression_batch(32, 32 * 32 * 3)
+  data["x"] = data["x"].reshape(32, 32, 32, 3)
+  state = models.create_state(ViT(), data["x"], tx=optax.adamw(1e-3))
+  est = jd.estimate(models.regression_step(jd.value_and_grad), state, data, method=method,
+                    compile=True)
+  compiled = est.compiled["total"]
+  assert abs(est.memory_per_device - compiled) <= TOLERANCE[est.method] * compiled, (
+      est.summary())
 
 
 @pytest.mark.parametrize("workload", [_mlp, pytest.param(_gpt, marks=pytest.mark.slow)],

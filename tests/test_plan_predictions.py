@@ -22,7 +22,7 @@ import jaxdist as jd
 from jaxdist import errors, models
 from jaxdist.inspect import parse_collectives
 from jaxdist.shard.specs import to_partition_spec
-from helpers import assert_trees_close, squared_error_step
+from helpers import ViT, assert_trees_close, squared_error_step
 
 UNIT = dict(alpha=1.0, beta=1.0)
 H100 = dict(alpha=10e-6, beta=1 / 450e9)
@@ -124,27 +124,6 @@ def test_predictions_with_micro_batches(workload, shape, k, costs):
   _assert_predicted_as_compiled(exe)
 
 
-class _ViT(nn.Module):
-  """A small ViT: patches of 4x4 pixels, a learned class token and positions, pre-norm
-  attention blocks, an MLP."""
-  width: int = 128
-  depth: int = 4
-
-  @nn.compact
-  def __call__(self, images):
-    b, h, w, c = images.shape
-    x = images.reshape(b, h // 4, 4, w // 4, 4, c).transpose(0, 1, 3, 2, 4, 5)
-    x = nn.Dense(self.width)(x.reshape(b, -1, 16 * c))
-    token = self.param("cls", nn.initializers.zeros, (1, 1, self.width))
-    x = jnp.concatenate([jnp.broadcast_to(token, (b, 1, self.width)), x], 1)
-    x = x + self.param("pos", nn.initializers.normal(0.02), (1, x.shape[1], self.width))
-    for _ in range(self.depth):
-      h_ = nn.LayerNorm()(x)
-      x = x + nn.MultiHeadDotProductAttention(num_heads=4)(h_, h_)
-    x = x + nn.Dense(self.width)(nn.gelu(nn.Dense(4 * self.width)(nn.LayerNorm()(x))))
-    return nn.Dense(8)(x[:, 0])
-
-
 class _ClassToken(nn.Module):
   """A class token prepended to 4 tokens, one pre-norm MLP block."""
 
@@ -156,7 +135,7 @@ class _ClassToken(nn.Module):
     return nn.Dense(8)(x[:, 0])
 
 
-@pytest.mark.parametrize("model,shape", [(_ClassToken(), (4, 32)), (_ViT(), (32, 32, 3))],
+@pytest.mark.parametrize("model,shape", [(_ClassToken(), (4, 32)), (ViT(), (32, 32, 3))],
                          ids=["class-token", "vit"])
 def test_a_vit_s_predictions_with_micro_batches(model, shape):
   """An all-gather in the micro-batch loop keeps the batch axes the loop is manual over
