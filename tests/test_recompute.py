@@ -122,7 +122,7 @@ def test_a_model_s_own_remat_blocks_save_memory(method, policy):
   collective added (tied to one element of the cotangent, ShardParallel gathered each
   block's cotangent whole). The estimate follows: it was 1.52x under DataParallel (1.65x
   ZeRO-3), each block's recomputed values counted as live until the last block's, since
-  the blocks share one traced body; now 0.95x, and 0.91x under ShardParallel. With a
+  the blocks share one traced body; now 0.99x, and 0.93x under ShardParallel. With a
   policy saving the dots' results, 0.60x; a saved residual of another shape than the
   cotangent (attention scores) is tied through one zero per row of the batch."""
   config = models.GPTConfig(vocab=128, width=64, heads=4, depth=4, seq_len=128)
