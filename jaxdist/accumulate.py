@@ -108,6 +108,20 @@ def per_example_outputs(step: TracedStep) -> tuple[bool, ...]:
   return tuple(out)
 
 
+def reduced_outputs(step: TracedStep) -> tuple[bool, ...]:
+  """Per input of the gradient marker, whether its reduction over the batch stays in the
+  compiled step: it depends on the batch (XLA turns an all-reduce of a value every device
+  holds alike into a multiply: ``nnx.value_and_grad`` returns the module's state as aux)
+  and something reads it after the marker (a scaled loss beside its unscaled aux is
+  dropped)."""
+  jaxpr = step.closed_jaxpr.jaxpr
+  marker = jaxpr.eqns[step.marker_index]
+  batch = sum(1 << i for i, leaf in enumerate(step.inputs) if leaf.role == BATCH)
+  deps = jaxpr_util.dependencies(jaxpr, len(step.inputs), marker.invars)
+  return tuple(bool(d & batch) and read for d, read in
+               zip(deps, jaxpr_util.read_outputs(jaxpr, step.marker_index)))
+
+
 def split_at_marker(step: TracedStep) -> GradSplit:
   """Finds the gradient and apply parts of ``step`` (which must have one marker)."""
   jaxpr = step.closed_jaxpr.jaxpr
@@ -338,6 +352,14 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
   pin = lambda x, i: x if i not in pinned else jax.lax.with_sharding_constraint(
       x, pinned[i] if inner_mesh is None else NamedSharding(inner_mesh, pinned[i]))
 
+  # Marked values that are inputs the gradient part returns as they came in (the
+  # parameters nnx.value_and_grad returns as its aux) are read outside the region: inside
+  # it, a ZeRO-3 parameter is this device's shard, and a reduction would mix the shards;
+  # nor are they summed over micro-batches (a shard added to a whole-shaped sum).
+  at = {v: i for i, v in enumerate(grad_jaxpr.invars)}
+  passed = {j: at[v] for j, v in enumerate(grad_marker_eqn.invars)
+            if not isinstance(v, jex.Literal) and v in at and step.inputs[at[v]].role != BATCH}
+
   def local(*values):
     if k == 1:
       sums, weight = grads_one(values)
@@ -350,8 +372,9 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
         outs, d = grads_one([next(it) if b else pin(x, i)
                              for i, (x, b) in enumerate(zip(values, is_batch))])
         rows = [o for o, e in zip(outs, per_example) if e]  # collected, not summed
-        outs = [o for o, e in zip(outs, per_example) if not e]
-        return ([a + o for a, o in zip(acc[0], outs)], acc[1] + d), rows
+        outs = [(j, o) for j, (o, e) in enumerate(zip(outs, per_example)) if not e]
+        return ([a if j in passed else a + o for a, (j, o) in zip(acc[0], outs)],
+                acc[1] + d), rows
 
       init = [jnp.zeros(v.aval.shape, v.aval.dtype)
               for v, e in zip(grad_marker_eqn.invars, per_example) if not e]
@@ -408,13 +431,6 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
   region = local if axes is None else jax.shard_map(
       local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(batch_axes),
       check_vma=False)
-
-  # Marked values that are inputs the gradient part returns as they came in (the
-  # parameters nnx.value_and_grad returns as its aux) are read outside the region: inside
-  # it, a ZeRO-3 parameter is this device's shard, and a reduction would mix the shards.
-  at = {v: i for i, v in enumerate(grad_jaxpr.invars)}
-  passed = {j: at[v] for j, v in enumerate(grad_marker_eqn.invars)
-            if not isinstance(v, jex.Literal) and v in at and step.inputs[at[v]].role != BATCH}
 
   def run(*leaves):
     marked = list(region(*[leaves[i] for i in split.grad_inputs]))

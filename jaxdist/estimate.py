@@ -35,7 +35,7 @@ import jax.extend.core as jex
 from jaxdist import calibration
 from jaxdist import jaxpr_util
 from jaxdist import methods as m
-from jaxdist.accumulate import HEAVY, per_example_outputs, split_at_marker
+from jaxdist.accumulate import HEAVY, per_example_outputs, reduced_outputs, split_at_marker
 from jaxdist.coupling import token_weighted
 from jaxdist.grad import GRAD
 from jaxdist.liveness import Timeline
@@ -598,9 +598,10 @@ def fixed_layout_collectives(method, traced, layout, lmesh):
   if layout.grad_reduce_specs is not None and traced.marker_index is not None:
     marker = traced.closed_jaxpr.jaxpr.eqns[traced.marker_index]
     # (an aux output with a batch dimension is concatenated where it is, not reduced)
-    reduced = [moved(nbytes(v), v.aval.dtype) for v, s, rows in
-               zip(marker.invars, layout.grad_reduce_specs, per_example_outputs(traced))
-               if s is None and not rows]
+    reduced = [moved(nbytes(v), v.aval.dtype) for v, s, rows, kept in
+               zip(marker.invars, layout.grad_reduce_specs, per_example_outputs(traced),
+                   reduced_outputs(traced))
+               if s is None and not rows and kept]
     # XLA combines all-reduces of one reduction only (a finiteness check's `and`s apart
     # from the sums: apply_if_finite over split gradients compiled 2 ops, 1 predicted).
     if token_weighted(traced):  # the token counts, summed beside the gradients (which are

@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxdist import agree
-from jaxdist.accumulate import per_example_outputs
+from jaxdist.accumulate import per_example_outputs, reduced_outputs
 from jaxdist import errors
 from jaxdist import jaxpr_util
 from jaxdist import methods as m
@@ -510,14 +510,11 @@ def _micro_batch_predictions(step: TracedStep, plan: MeshPlan, layout: Layout, k
   axes = tuple(a for a in cost_model.axis_sizes if a in batch)
   reduced = {}  # marked value → (kind, axes, bytes) of its collectives after the loop
   producer = {id(o): i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
-  used = {id(v) for e in jaxpr.eqns[step.marker_index + 1:] for v in e.invars}
-  used |= {id(v) for v in jaxpr.outvars}
-  for j, (v, spec, each) in enumerate(zip(marker.invars, layout.grad_reduce_specs,
-                                          per_example_outputs(step))):
-    if (isinstance(v, jex.Literal) or not _produced(v, graph) or shards == 1 or each
-        or id(marker.outvars[j]) not in used):
-      continue  # (a per-example aux is concatenated where it is; a value nothing reads,
-      # such as a scaled loss beside its aux, is not reduced: XLA drops it)
+  for j, (v, spec, each, stays) in enumerate(zip(
+      marker.invars, layout.grad_reduce_specs, per_example_outputs(step),
+      reduced_outputs(step))):
+    if isinstance(v, jex.Literal) or not _produced(v, graph) or shards == 1 or each or not stays:
+      continue  # (a per-example aux is concatenated where it is: no reduction)
     local = tuple(tuple(a for a in axes if a not in batch) for axes in graph.spec_of(v, choice))
     nbytes_ = nbytes(v) / num_shards(local, sizes)
     # A gradient constrained to a split over other axes is all-reduced on its shards and
