@@ -587,7 +587,8 @@ class ParallelizedFunc:
             "predicted collectives (each split parameter gathered for the forward and for "
             "the backward) may differ from the compiled ones"))
       elif isinstance(method, (m.Zero2Parallel, m.Zero3Parallel)) and step.marker_index is not None:
-        from jaxdist.estimate import examples_reduced_in_update, unmodelled_update
+        from jaxdist.estimate import (chained_update_reductions, examples_reduced_in_update,
+                                      unmodelled_update)
         notes = []
         if examples_reduced_in_update(step):
           notes.append("the update sums per-example aux outputs of the gradient (usage "
@@ -597,6 +598,11 @@ class ParallelizedFunc:
           notes.append(f"the update runs {'/'.join(ops)} on split state or gradients (Muon's "
                        f"Newton-Schulz iterations, say): XLA gathers or reduces for them "
                        f"itself, so the predicted collectives leave those out")
+        if chained_update_reductions(step, layout, lmesh):
+          notes.append("the update's reductions over split state read each other's results "
+                       "(optax.safe_norm's second pass, LAMB's trust ratios): XLA combines "
+                       "their small all-reduces as its schedule allows, so their predicted "
+                       "count (one) may be below the compiled one (their bytes are exact)")
         layout = dataclasses.replace(layout, notes=(*layout.notes, *notes))
     if layout.grad_reduce_specs is not None:
       divisor = layout.num_micro_batches * math.prod(

@@ -14,9 +14,10 @@ does one that moves examples along it (a roll, a sort, a cumulative sum, a slice
 them (``z @ z.T``), or indexes them by indices that are no example's own. Values whose
 batch axis it cannot follow (an op without a rule below that drops the axis) are no
 longer tracked, so an exotic step may go unnoticed; ordinary ones (elementwise ops,
-broadcasts, reshapes, also merging the batch with the dims before or after it, transposes, dots,
-convolutions, reductions, gathers, concatenations of whole batches) are followed, and so
-are the bodies of loops, conditionals and calls (``jax.checkpoint``, ``custom_vjp``).
+broadcasts, reshapes, also merging the batch with the dims before or after it,
+transposes, dots, convolutions, reductions, gathers, concatenations of whole batches) are
+followed, and so are the bodies of loops, conditionals and calls (``jax.checkpoint``,
+``custom_vjp``).
 """
 
 from __future__ import annotations
@@ -447,7 +448,8 @@ def _pairs_examples(eqn, carried) -> bool:
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     pair = (carried[0][1], carried[1][1])
     return pair not in zip(lc, rc) and pair not in zip(lb, rb)
-  return eqn.primitive.name in ELEMENTWISE and len({(int(a), getattr(a, "outer", 1)) for _, a in carried}) > 1
+  return eqn.primitive.name in ELEMENTWISE and len(
+      {(int(a), getattr(a, "outer", 1)) for _, a in carried}) > 1
 
 
 def _mixed_loss(eqns, value, state: dict) -> str | None:

@@ -629,8 +629,8 @@ def fixed_layout_collectives(method, traced, layout, lmesh):
   return out
 
 
-def _split_reductions(traced, layout, lmesh, unmodelled: list | None = None
-                      ) -> list[tuple[float, Any, str]]:
+def _split_reductions(traced, layout, lmesh, unmodelled: list | None = None,
+                      reducing: list | None = None) -> list[tuple[float, Any, str]]:
   """(result bytes, dtype, primitive) of each reduction the update makes across a split
   dimension of the state or the reduce-scattered gradients (global-norm clipping's sums of squares,
   LAMB's norms): the partial results are all-reduced. Splits are followed through
@@ -653,8 +653,24 @@ def _split_reductions(traced, layout, lmesh, unmodelled: list | None = None
       lmesh.axis_size(a) for a in layout.batch_axes) > 1:
     split.update(_per_example_aux(traced))
   out = []
-  _follow_splits(jaxpr.eqns[traced.marker_index + 1:], split, out, unmodelled)
+  _follow_splits(jaxpr.eqns[traced.marker_index + 1:], split, out, unmodelled, reducing)
   return out
+
+
+def chained_update_reductions(traced, layout, lmesh) -> bool:
+  """Whether a reduction the update makes across split state reads the result of
+  another (``optax.safe_norm``'s second pass, LAMB's trust ratios): their all-reduces
+  cannot all combine into one, and XLA groups them as its schedule allows."""
+  reducing = []
+  _split_reductions(traced, layout, lmesh, reducing=reducing)
+  derived = {o for e in reducing for o in e.outvars}
+  reductions = {id(e) for e in reducing}
+  for eqn in traced.closed_jaxpr.jaxpr.eqns[traced.marker_index + 1:]:
+    if any(not isinstance(v, jex.Literal) and v in derived for v in eqn.invars):
+      if id(eqn) in reductions:
+        return True
+      derived.update(eqn.outvars)
+  return False
 
 
 def unmodelled_update(traced, layout, lmesh) -> list[str]:
@@ -682,10 +698,12 @@ def examples_reduced_in_update(traced) -> bool:
   return bool(out)
 
 
-def _follow_splits(eqns, split: dict, out: list, unmodelled: list | None = None) -> None:
+def _follow_splits(eqns, split: dict, out: list, unmodelled: list | None = None,
+                   reducing: list | None = None) -> None:
   """:func:`_split_reductions`' walk over ``eqns``: ``split`` maps a value to its split
-  dimensions (updated); each reduction across one is appended to ``out``, and to
-  ``unmodelled`` the name of each matrix product or loop reading one otherwise."""
+  dimensions (updated); each reduction across one is appended to ``out`` (and its
+  equation to ``reducing``), and to ``unmodelled`` the name of each matrix product or
+  loop reading one otherwise."""
   for eqn in eqns:
     ins = [(v, split[v]) for v in eqn.invars if not isinstance(v, jex.Literal) and v in split]
     if not ins:
@@ -699,7 +717,7 @@ def _follow_splits(eqns, split: dict, out: list, unmodelled: list | None = None)
       for branch in eqn.params["branches"]:
         inner = {b: split[v] for b, v in zip(branch.jaxpr.invars, eqn.invars[1:])
                  if not isinstance(v, jex.Literal) and v in split}
-        _follow_splits(branch.jaxpr.eqns, inner, out, unmodelled)
+        _follow_splits(branch.jaxpr.eqns, inner, out, unmodelled, reducing)
     elif name in ELEMENTWISE:  # (an operand's size-1 dims broadcast: one-hot's ``eq``)
       shape = eqn.outvars[0].aval.shape
       found = next((kept for v, d in ins if len(v.aval.shape) == len(shape)
@@ -721,11 +739,15 @@ def _follow_splits(eqns, split: dict, out: list, unmodelled: list | None = None)
     elif name == "dot_general" and len(ins) == 2 and _contracts_split(eqn, ins):
       # both split on a contracted dim: partial products, summed across the devices
       out.append((nbytes(eqn.outvars[0]), eqn.outvars[0].aval.dtype, "reduce_sum"))
+      if reducing is not None:
+        reducing.append(eqn)
     elif name in REDUCTIONS and len(ins) == 1:
       axes, held = set(eqn.params["axes"]), ins[0][1]
       kept = [d for d in range(len(ins[0][0].aval.shape)) if d not in axes]
       if held & axes:
         out.append((nbytes(eqn.outvars[0]), eqn.outvars[0].aval.dtype, name))
+        if reducing is not None:
+          reducing.append(eqn)
       rest = frozenset(kept.index(d) for d in held - axes)
       if rest:
         split[eqn.outvars[0]] = rest

@@ -55,8 +55,7 @@ FUSIBLE = ELEMENTWISE | {"broadcast_in_dim", "iota"}
 FUSING_READERS = FUSIBLE | REDUCTIONS | {"reshape", "squeeze", "expand_dims", "transpose"}
 # Slicing read by elementwise ops or reductions only is fused into them (each part read once).
 SLICES = frozenset({"split", "slice"})
-BITCASTS = frozenset({"reshape", "squeeze", "expand_dims",
-                      *jaxpr_util.MARKERS})
+BITCASTS = frozenset({"reshape", "squeeze", "expand_dims", *jaxpr_util.MARKERS})
 CALLS = frozenset({*jaxpr_util.PLAN_CALLS, "remat", "checkpoint", "custom_lin"})
 LOOPS = frozenset({"scan", "while", "cond"})
 # What XLA's fusion recomputes in every fusion that reads it instead of writing it once
@@ -304,10 +303,10 @@ class Timeline:
       four cast kernels all live at the forward's end;
     - and an elementwise value of operands that all broadcast to its shape, one an
       input (a LayerNorm's ``rsqrt(var) * scale``): XLA writes the input's broadcast
-      instead, early, and makes the value in each fusion that reads it. Measured on a GPT whose blocks are
-      rematerialized: each recomputation reads the broadcast XLA made in the forward
-      (CSE), and 8 of them are live at the last block's backward (the estimate was
-      0.87x of XLA's bytes without them)."""
+      instead, early, and makes the value in each fusion that reads it. Measured on a
+      GPT whose blocks are rematerialized: each recomputation reads the broadcast XLA
+      made in the forward (CSE), and 8 of them are live at the last block's backward
+      (the estimate was 0.87x of XLA's bytes without them)."""
     arrays = lambda ins: [v for v in ins if not isinstance(v, jex.Literal)]
     barred = {}  # what a recomputation reads through its optimization barrier
     for eqn, ins, outs in self.eqns:

@@ -12,8 +12,8 @@ import re
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 import pytest
+from flax import nnx
 
 import jaxdist as jd
 from jaxdist import models

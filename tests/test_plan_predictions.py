@@ -1026,6 +1026,22 @@ def test_an_fft_is_planned_on_its_whole_operand():
   _assert_predicted_as_compiled(exe)
 
 
+@pytest.mark.parametrize("tx, chained", [(optax.lamb(1e-3), True), (optax.adamw(1e-3), False)],
+                         ids=["lamb", "adamw"])
+def test_an_update_whose_norms_read_each_other_says_so(tx, chained):
+  """LAMB's trust ratios take ``optax.safe_norm``s, whose second pass reads the first's
+  result: over ZeRO's split state XLA compiled their all-reduces as 4 ops where one was
+  predicted (the same bytes). The plan's notes say so; an update without such a chain
+  has no such note, and both predict the bytes."""
+  data = models.regression_batch(32, 64, out=16)
+  state = models.create_state(models.MLP(hidden=64, num_layers=2, out=16), data["x"], tx=tx)
+  exe = jd.parallelize(models.regression_step(jd.value_and_grad),
+                       method=jd.Zero2Parallel()).get_executable(state, data)
+  assert any("read each other's results" in n for n in exe.plan.notes) == chained
+  predicted, compiled = exe.plan.predicted_collectives, exe.communication()
+  assert predicted["all-reduce"]["result_bytes"] == compiled["all-reduce"].result_bytes
+
+
 def test_an_update_that_multiplies_split_state_says_so():
   """Muon orthogonalizes each momentum matrix by Newton-Schulz iterations (a scan of
   matrix products): over ZeRO's split momenta XLA gathers inside the loop as it chooses

@@ -180,7 +180,8 @@ def predict(graph, choice, cost_model: CostModel,
   for k, (kind, axes, nbytes) in graph.collectives(choice, cost_model, at_source, batch_axes,
                                                       held):
     inside = axes_of(k, axes)
-    if kind == "all-gather" and batch_axes:  # the batch axes the loop is manual over stay
+    if kind == "all-gather" and batch_axes:  # (in a loop manual over batch axes, the
+      # result stays split over them: that much smaller)
       nbytes /= math.prod(sizes[a] for a in axes if a not in inside and a in batch_axes)
     axes = inside
     if math.prod(sizes[a] for a in axes) > 1:
