@@ -516,15 +516,19 @@ def test_model_parallel_stages_reduce_gradients_once_per_step():
 
 
 def test_pipeline_with_aux_and_a_batch_slice_outside_the_loss():
+  """Values computed before the loss are split into micro-batches: from the batch, and
+  what only its shape sizes (a diffusion step's per-example timesteps drawn from a key:
+  PipeshardParallel raised InvalidArgumentError at k=2 on such a step)."""
   data = models.regression_batch(32, 16)
   model = models.MLP(hidden=32, num_layers=4)
   make = lambda: models.create_state(model, data["x"], tx=optax.sgd(0.05, momentum=0.9))
 
   def step(state, batch, grad_fn):
+    t = jax.random.uniform(jax.random.key(3), (batch["x"].shape[0], 1))
     x = batch["x"] * 2.0  # computed before the loss: split into micro-batches all the same
 
     def loss_fn(p):
-      err = state.apply_fn(p, x) - batch["y"]
+      err = state.apply_fn(p, x) * t - batch["y"]
       return jnp.mean(err ** 2), {"mae": jnp.mean(jnp.abs(err))}
 
     (loss, aux), g = grad_fn(loss_fn, has_aux=True)(state.params)

@@ -327,7 +327,14 @@ class PipelineExecutable:
           "full size; PipeshardParallel needs one call whose inputs keep their structure.")
     batch_mask = sum(1 << i for i, leaf in enumerate(step.inputs) if leaf.role == BATCH)
     deps = jaxpr_util.dependencies(jaxpr, len(step.inputs), eqn.invars)
-    self._batch_operand = [bool(d & batch_mask) for d in deps]
+    # Split into micro-batches: what depends on the batch, and what only its shape sizes
+    # (noise or diffusion timesteps drawn per example from a key outside the loss: each
+    # micro-batch takes its rows of the whole batch's draw, as the single-device step).
+    self._batch_operand = [
+        bool(d & batch_mask) or (k > 1 and bool(v.aval.shape) and v.aval.shape[0] % k == 0
+                                 and tuple(u.aval.shape) == (v.aval.shape[0] // k,)
+                                 + tuple(v.aval.shape[1:]))
+        for d, v, u in zip(deps, eqn.invars, micro[0].invars)]
     position = {v: i for i, v in enumerate(jaxpr.invars)}
     self._operand_paths = [step.inputs[position[v]].path if v in position else f"loss operand {j}"
                            for j, v in enumerate(eqn.invars)]
