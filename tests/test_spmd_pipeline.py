@@ -239,6 +239,44 @@ def test_per_example_inputs_aux_and_weights_cast_before_the_stack(schedule):
           in step.get_executable(params, batch).plan.notes)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_values_drawn_per_example_before_the_loss(schedule):
+  """Noise drawn per example from a key before the loss (a diffusion step's) is sized by
+  the batch but depends on none of it: GPipe's SPMD program runs it with its micro-batch;
+  the lockstep 1F1B program does not split it (it raised jax's TypeError) and says so,
+  and runtime='auto' runs the step on the MPMD driver, equal to serial."""
+  rng = np.random.default_rng(0)
+  normal = lambda *shape: jnp.asarray(rng.normal(size=shape) / np.sqrt(shape[0]), jnp.float32)
+  params = {"w_in": normal(16, 32), "w_out": normal(32, 8),
+            "blocks": [{"up": normal(32, 32)} for _ in range(4)]}
+  batch = {"x": normal(32, 16), "y": normal(32, 8)}
+
+  def make(value_and_grad):
+    def loss_fn(params, x, y, noise):
+      h = x @ params["w_in"]
+      for blk in params["blocks"]:
+        jd.mark_pipeline_boundary()
+        h = h + jnp.tanh(h @ blk["up"])
+      jd.mark_pipeline_boundary()
+      return jnp.mean((h @ params["w_out"] + noise - y) ** 2)
+
+    def step(params, batch):
+      noise = jax.random.normal(jax.random.key(2), batch["y"].shape)
+      loss, grads = value_and_grad(loss_fn)(params, batch["x"], batch["y"], noise)
+      return jax.tree.map(lambda w, g: w - 0.1 * g, params, grads), loss
+    return step
+
+  expected = jax.jit(make(jax.value_and_grad))(params, batch)
+  method = lambda runtime: jd.PipeshardParallel(num_micro_batches=2, runtime=runtime,
+                                                pipeline_schedule=schedule)
+  if schedule == "1f1b":
+    with pytest.raises(errors.InvalidArgumentError, match="sized by the batch"):
+      jd.parallelize(make(jd.value_and_grad), method=method("spmd"))(params, batch)
+  step = jd.parallelize(make(jd.value_and_grad), method=method("spmd" if schedule == "gpipe"
+                                                                else "auto"))
+  assert_trees_close(step(params, batch), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_runtime_choice_and_errors():
   params, data = _mlp_stack(64, width=16, hidden=32)
   step = lambda **kw: jd.parallelize(_mlp_stack_step(jd.value_and_grad), donate_argnums=(),

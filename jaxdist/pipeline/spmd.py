@@ -231,6 +231,11 @@ def plan(method: m.PipeshardParallel, step: TracedStep, lmesh: LogicalMesh, inde
   local = micro_eqns[0].params["loss"].closed.jaxpr if len(micro_eqns) == 1 else None
   if local is None or [e.primitive for e in local.eqns] != [e.primitive for e in loss_jaxpr.eqns]:
     return "the loss traced at one device's share of a micro-batch has different equations"
+  for j, (full, share) in enumerate(zip(eqn.invars, micro_eqns[0].invars)):
+    if one_f_one_b and not in_mask >> j & 1 and full.aval.shape != share.aval.shape:
+      return (f"1F1B: the loss's input {j} ({full.aval.str_short()}) is sized by the batch "
+              f"but does not depend on it (values drawn per example from a key before the "
+              f"loss): the lockstep runtime does not split it into micro-batches")
   if one_f_one_b:
     for j, (full, share) in enumerate(zip(loss_jaxpr.outvars[1:], local.outvars[1:])):
       if j < loss.kinds.count(capture.AUX) and full.aval.shape != share.aval.shape:
