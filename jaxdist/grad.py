@@ -123,6 +123,7 @@ _MARKING: contextvars.ContextVar[PlainCalls | None] = contextvars.ContextVar(
 _lock = threading.Lock()
 _patched = 0  # traces (in any thread) under marking_jax_grads
 _rebound: list[tuple[dict, str, Callable]] = []  # module globals made jaxdist's meanwhile
+_recelled: list[tuple[object, Callable]] = []  # closure cells made jaxdist's meanwhile
 
 
 @contextlib.contextmanager
@@ -131,7 +132,8 @@ def marking_jax_grads(fun: Callable | None = None):
   a nested one: a gradient inside a differentiated function stays jax's) are
   :func:`grad` / :func:`value_and_grad`, so that a plain step gets what ``jaxdist.grad``
   gives: gradients reduced once per step, accumulation, recomputation, pipelines. So are
-  the names of ``fun``'s module bound to them (``from jax import value_and_grad``).
+  the names of ``fun``'s module bound to them (``from jax import value_and_grad``) and
+  its closure's cells holding them (a step made by ``make_step(jax.value_and_grad)``).
   Yields the :class:`PlainCalls` it made jaxdist's; the caller decides whether the marked
   trace is usable (one call, at the step's top level). Other threads see jax's functions."""
   global _patched
@@ -147,6 +149,15 @@ def marking_jax_grads(fun: Callable | None = None):
         if marking is not None and value is marking[0]:
           namespace[name] = marking[1]
           _rebound.append((namespace, name, value))
+    for cell in _closure_cells(fun):
+      try:
+        value = cell.cell_contents
+      except ValueError:  # (an empty cell)
+        continue
+      marking = _MARKING_OF.get(id(value))
+      if marking is not None and value is marking[0]:
+        cell.cell_contents = marking[1]
+        _recelled.append((cell, value))
   try:
     yield calls
   finally:
@@ -159,24 +170,42 @@ def marking_jax_grads(fun: Callable | None = None):
           if namespace.get(name) is _MARKING_OF[id(value)][1]:
             namespace[name] = value
         _rebound.clear()
+        for cell, value in _recelled:
+          if cell.cell_contents is _MARKING_OF[id(value)][1]:
+            cell.cell_contents = value
+        _recelled.clear()
 
 
-def _module_namespaces(fun) -> list[dict]:
-  """The globals of the Python functions ``fun`` is or wraps (``functools.partial``,
-  ``__wrapped__`` as ``jax.jit`` sets it, a bound method's function)."""
-  namespaces, seen = [], set()
+def _functions(fun) -> list:
+  """The Python functions ``fun`` is or wraps (``functools.partial``, ``__wrapped__`` as
+  ``jax.jit`` sets it, a bound method's function)."""
+  out, seen = [], set()
   while fun is not None and id(fun) not in seen:
     seen.add(id(fun))
     if isinstance(fun, functools.partial):
       fun = fun.func
       continue
     fun = getattr(fun, "__func__", fun)
-    namespace = getattr(fun, "__globals__", None)
+    out.append(fun)
+    fun = getattr(fun, "__wrapped__", None)
+  return out
+
+
+def _module_namespaces(fun) -> list[dict]:
+  """The globals of the Python functions ``fun`` is or wraps."""
+  namespaces = []
+  for f in _functions(fun):
+    namespace = getattr(f, "__globals__", None)
     if (isinstance(namespace, dict) and namespace is not globals()
         and all(namespace is not n for n in namespaces)):
       namespaces.append(namespace)
-    fun = getattr(fun, "__wrapped__", None)
   return namespaces
+
+
+def _closure_cells(fun) -> list:
+  """The closure cells of the Python functions ``fun`` is or wraps: a step made by a
+  factory that was handed ``jax.value_and_grad`` (``make_step(jax.value_and_grad)``)."""
+  return [cell for f in _functions(fun) for cell in (getattr(f, "__closure__", None) or ())]
 
 
 def _marking(marked: Callable, plain: Callable) -> Callable:

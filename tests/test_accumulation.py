@@ -15,7 +15,8 @@ from jax import value_and_grad as bound_value_and_grad  # jax's own, bound at im
 
 import jaxdist as jd
 from jaxdist import errors, models, rng
-from helpers import assert_trees_close, contrastive, squared_error_step, to_host
+from helpers import (assert_trees_close, contrastive, outside_gradient_step, squared_error_step,
+                     to_host)
 
 METHODS = [jd.DataParallel, jd.Zero2Parallel, jd.Zero3Parallel]
 
@@ -392,9 +393,23 @@ def test_micro_batches_must_divide_the_batch():
     step(make(), batch)
 
 
+def test_a_step_made_by_a_factory_handed_jax_value_and_grad_is_marked():
+  """``make_step(jax.value_and_grad)``: jax's transform sits in the step's closure, where
+  jaxdist did not look (micro-batches raised GradientMarkerError; under ZeRO-2 XLA
+  reduced the gradients, 0.65x of DataParallel's bytes where the mark gives 0.33x). It
+  is marked like a call of ``jax.value_and_grad`` in the step, and put back after."""
+  make, batch = _mlp_setup()
+  step = models.regression_step(jax.value_and_grad)
+  expected = to_host(jax.jit(step)(make(), batch))
+  got = jd.parallelize(step, method=jd.Zero2Parallel(num_micro_batches=2))(make(), batch)
+  assert_trees_close(to_host(got), expected, rtol=1e-5, atol=1e-6)
+  assert [c.cell_contents for c in step.__closure__ if callable(c.cell_contents)] == [
+      jax.value_and_grad]
+
+
 def test_micro_batches_need_jaxdist_grad():
   make, batch = _mlp_setup()
-  step = jd.parallelize(models.regression_step(jax.value_and_grad),
+  step = jd.parallelize(outside_gradient_step(make().apply_fn),
                         method=jd.Zero2Parallel(num_micro_batches=2))
   with pytest.raises(errors.GradientMarkerError, match=r"num_micro_batches=2.*jaxdist.grad"):
     step(make(), batch)

@@ -21,7 +21,7 @@ import jaxdist as jd
 from jaxdist import errors, models
 from jaxdist.pipeline import timeline
 from jaxdist.shard.planner import path_matches
-from helpers import assert_trees_close, contrastive, to_host
+from helpers import assert_trees_close, contrastive, outside_gradient_step, to_host
 
 
 def _gpt(mark_boundaries=True, batch_size=32):
@@ -716,7 +716,7 @@ def test_pipeline_errors():
                    method=jd.PipeshardParallel(num_micro_batches=2)).get_executable(
                        make(), {"batch": batch, "n": jnp.int32(0)})
   with pytest.raises(errors.GradientMarkerError, match=r"jaxdist.value_and_grad instead"):
-    run(jd.PipeshardParallel(), models.lm_step())  # plain jax.value_and_grad
+    run(jd.PipeshardParallel(), outside_gradient_step(make().apply_fn, lm=True))
   data = models.regression_batch(16, 8)
   mlp = models.create_state(models.MLP(hidden=8, num_layers=1), data["x"], tx=optax.sgd(0.1))
   mse = lambda p, x, y: jnp.mean((mlp.apply_fn(p, x) - y) ** 2)

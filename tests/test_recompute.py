@@ -10,7 +10,7 @@ import pytest
 
 import jaxdist as jd
 from jaxdist import errors, models
-from helpers import assert_trees_close, dropout_net
+from helpers import assert_trees_close, dropout_net, outside_gradient_step
 
 
 def _gpt(depth=2):
@@ -54,7 +54,7 @@ def test_unknown_module_name_lists_the_modules():
 
 def test_recompute_needs_jaxdist_grad():
   make, batch = _gpt(depth=1)
-  step = jd.parallelize(models.lm_step(jax.value_and_grad),
+  step = jd.parallelize(outside_gradient_step(make().apply_fn, lm=True),
                         method=jd.DataParallel(recompute_modules="Block"))
   with pytest.raises(errors.GradientMarkerError, match="jaxdist.value_and_grad"):
     step(make(), batch)

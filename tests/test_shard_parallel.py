@@ -22,7 +22,7 @@ from jaxdist.shard.graph import Node, StrategyGraph
 from jaxdist.shard.solver import (MemoryConstraint, fold_free_leaves, objective_of,
                                   solve_brute_force, solve_ilp)
 from jaxdist.shard.strategies import Strategy
-from helpers import ScannedMLP, assert_trees_close, budgeted_gpt, to_host
+from helpers import ScannedMLP, assert_trees_close, budgeted_gpt, outside_gradient_step, to_host
 
 
 def _random_graph(rng, num_groups, max_choices, num_edges):
@@ -372,7 +372,8 @@ def test_bad_shard_parallel_input():
     jd.AutoShardingOption(solver="greedy")
   with pytest.raises(errors.GradientMarkerError, match=r"ShardParallel\(num_micro_batches=2\).*"
                      r"jaxdist.grad"):
-    run(num_micro_batches=2)  # the step uses plain jax.value_and_grad
+    jd.parallelize(outside_gradient_step(state.apply_fn), method=jd.ShardParallel(
+        num_micro_batches=2)).get_executable(state, data)
 
 
 def test_a_saved_plan_skips_the_search_and_refuses_another_model(tmp_path):
