@@ -118,8 +118,9 @@ def reduced_outputs(step: TracedStep) -> tuple[bool, ...]:
   marker = jaxpr.eqns[step.marker_index]
   batch = sum(1 << i for i, leaf in enumerate(step.inputs) if leaf.role == BATCH)
   deps = jaxpr_util.dependencies(jaxpr, len(step.inputs), marker.invars)
-  return tuple(bool(d & batch) and read for d, read in
-               zip(deps, jaxpr_util.read_outputs(jaxpr, step.marker_index)))
+  read = {id(v) for e in jaxpr.eqns[step.marker_index + 1:] for v in e.invars}
+  read |= {id(v) for v in jaxpr.outvars}
+  return tuple(bool(d & batch) and id(o) in read for d, o in zip(deps, marker.outvars))
 
 
 def split_at_marker(step: TracedStep) -> GradSplit:

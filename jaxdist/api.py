@@ -587,18 +587,19 @@ class ParallelizedFunc:
             "predicted collectives (each split parameter gathered for the forward and for "
             "the backward) may differ from the compiled ones"))
       elif isinstance(method, (m.Zero2Parallel, m.Zero3Parallel)) and step.marker_index is not None:
-        from jaxdist.estimate import (chained_update_reductions, examples_reduced_in_update,
-                                      unmodelled_update)
+        from jaxdist.estimate import examples_reduced_in_update, unmodelled_update
         notes = []
+        ops, chained = (unmodelled_update(step, layout, lmesh)
+                        if layout.grad_reduce_specs is not None else ([], False))
         if examples_reduced_in_update(step):
           notes.append("the update sums per-example aux outputs of the gradient (usage "
                        "counts, say): XLA gathers the examples or reduces their partial sums "
                        "itself, so the predicted collectives leave those out")
-        if layout.grad_reduce_specs is not None and (ops := unmodelled_update(step, layout, lmesh)):
+        if ops:
           notes.append(f"the update runs {'/'.join(ops)} on split state or gradients (Muon's "
                        f"Newton-Schulz iterations, say): XLA gathers or reduces for them "
                        f"itself, so the predicted collectives leave those out")
-        if chained_update_reductions(step, layout, lmesh):
+        if chained:
           notes.append("the update's reductions over split state read each other's results "
                        "(optax.safe_norm's second pass, LAMB's trust ratios): XLA combines "
                        "their small all-reduces as its schedule allows, so their predicted "

@@ -133,30 +133,36 @@ def coupling_in(jaxpr, batch_vars, size: int, exempt=frozenset(), state=None,
     indexed = (eqn.params["dimension_numbers"].start_index_map if eqn.primitive.name == "gather"
                else eqn.params["dimension_numbers"].scatter_dims_to_operand_dims
                if eqn.primitive.name.startswith("scatter") else ())
-    if indexed and isinstance(ins[0], int) and ins[0] in indexed and not isinstance(ins[1], int):
-      # Indices that are no example's own pick rows of the batch: a graph's edges reading
-      # their nodes (x[senders]), a shuffle (x[perm]). A per-example lookup's indices
-      # carry the batch (logits[arange(n), labels]); take_along_axis batches over it.
-      return (f"equation {i} ({eqn.primitive.name}) indexes examples of the batch by indices "
-              f"that are no example's own (a graph's edges reading their nodes, a shuffle of "
-              f"the batch)")
-    if (indexed and isinstance(ins[0], int) and ins[0] in indexed and isinstance(
-        state.get(_index_column(eqn.invars[1], indexed.index(ins[0]), producer)), int)):
-      # ... but the batch's own row is an arange's (per device, its own examples'), not
-      # values read from the batch: ``weights[labels]`` with a per-class table passed in
-      # the batch as long as it is reads rows of other devices' part of the table.
-      return (f"equation {i} ({eqn.primitive.name}) indexes examples of the batch by values "
-              f"of the batch (a table passed in the batch argument whose length equals the "
-              f"batch size is split like examples: pass it as an argument of its own)")
+    if indexed and isinstance(ins[0], int) and ins[0] in indexed:
+      if not isinstance(ins[1], int):
+        # Indices that are no example's own pick rows of the batch: a graph's edges
+        # reading their nodes (x[senders]), a shuffle (x[perm]). A per-example lookup's
+        # indices carry the batch (logits[arange(n), labels]); take_along_axis batches
+        # over it.
+        return (f"equation {i} ({eqn.primitive.name}) indexes examples of the batch by "
+                f"indices that are no example's own (a graph's edges reading their nodes, "
+                f"a shuffle of the batch)")
+      if isinstance(state.get(_index_column(eqn.invars[1], indexed.index(ins[0]), producer)),
+                    int):
+        # ... but the batch's own row is an arange's (per device, its own examples'), not
+        # values read from the batch: ``weights[labels]`` with a per-class table passed in
+        # the batch as long as it is reads rows of other devices' part of the table.
+        return (f"equation {i} ({eqn.primitive.name}) indexes examples of the batch by "
+                f"values of the batch (a table passed in the batch argument whose length "
+                f"equals the batch size is split like examples: pass it as an argument of "
+                f"its own)")
     if eqn.primitive.name == "scan":
       found = _scan_coupling(eqn, ins, size)
       if found:
         return f"equation {i} (scan) {found}"
     call = _called(eqn)
     if call is not None or eqn.primitive.name in ("while", "cond"):
-      found, outs = (_call_coupling(call, ins, size) if call is not None else
-                     (_while_coupling if eqn.primitive.name == "while" else _cond_coupling)(
-                         eqn, ins, size))
+      if call is not None:
+        found, outs = _call_coupling(call, ins, size)
+        found = found and f"calls a function that mixes examples: {found}"
+      else:
+        found, outs = (_while_coupling if eqn.primitive.name == "while" else _cond_coupling)(
+            eqn, ins, size)
       if found:
         return f"equation {i} ({eqn.primitive.name}) {found}"
       state.update((v, s) for v, s in zip(eqn.outvars, outs) if s is not None)
@@ -226,10 +232,11 @@ def _called(eqn):
 
 
 def _call_coupling(jaxpr, ins: list, size: int) -> tuple[str | None, list]:
+  """:func:`coupling_in` of a called ``jaxpr`` (a call's, a branch's) whose operands hold
+  ``ins``' batch axes: what it found, and its outputs' batch axes."""
   state = {v: s for v, s in zip(jaxpr.invars, ins) if s is not None}
   found = coupling_in(jaxpr, (), size, state=state)
-  return (found and f"calls a function that mixes examples: {found}",
-          [None if isinstance(v, jex.Literal) else state.get(v) for v in jaxpr.outvars])
+  return found, [None if isinstance(v, jex.Literal) else state.get(v) for v in jaxpr.outvars]
 
 
 def _cond_coupling(eqn, ins: list, size: int) -> tuple[str | None, list]:
@@ -238,13 +245,10 @@ def _cond_coupling(eqn, ins: list, size: int) -> tuple[str | None, list]:
   where a branch reduces, else a branch's axis)."""
   outs = [None] * len(eqn.outvars)
   for branch in eqn.params["branches"]:
-    jaxpr = branch.jaxpr
-    state = {v: s for v, s in zip(jaxpr.invars, ins[1:]) if s is not None}
-    found = coupling_in(jaxpr, (), size, state=state)
+    found, branch_outs = _call_coupling(branch.jaxpr, ins[1:], size)
     if found:
       return f"mixes examples in a branch: {found}", []
-    for k, v in enumerate(jaxpr.outvars):
-      s = None if isinstance(v, jex.Literal) else state.get(v)
+    for k, s in enumerate(branch_outs):
       if outs[k] != REDUCED and (s == REDUCED or outs[k] is None):
         outs[k] = s
   return None, outs
@@ -364,9 +368,11 @@ def _reshaped(p, before: tuple, after: tuple, size: int):
     return None
   outer = math.prod(before[:p]) * o
   inner = before[p] // (o * size) * math.prod(before[p + 1:])
+  if not math.prod(after):
+    return None
   for q, extent in enumerate(after):
     stride = math.prod(after[q + 1:])
-    if extent and outer % math.prod(after[:q]) == 0 and inner % stride == 0 and (
+    if outer % math.prod(after[:q]) == 0 and inner % stride == 0 and (
         extent * stride) % (size * inner) == 0:
       wraps = extent * stride // (size * inner)
       return _Merged(q, wraps) if wraps > 1 else q

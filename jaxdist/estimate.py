@@ -657,29 +657,24 @@ def _split_reductions(traced, layout, lmesh, unmodelled: list | None = None,
   return out
 
 
-def chained_update_reductions(traced, layout, lmesh) -> bool:
-  """Whether a reduction the update makes across split state reads the result of
-  another (``optax.safe_norm``'s second pass, LAMB's trust ratios): their all-reduces
-  cannot all combine into one, and XLA groups them as its schedule allows."""
-  reducing = []
-  _split_reductions(traced, layout, lmesh, reducing=reducing)
+def unmodelled_update(traced, layout, lmesh) -> tuple[list[str], bool]:
+  """What of the update over split state or split gradients the predicted collectives
+  leave out: the primitives by which it multiplies or loops over them (Muon's
+  Newton-Schulz iterations, Shampoo's preconditioners: XLA gathers or reduces for them
+  as it chooses), and whether a reduction across a split reads the result of another
+  (``optax.safe_norm``'s second pass, LAMB's trust ratios: their all-reduces cannot all
+  combine into one, and XLA groups them as its schedule allows)."""
+  found, reducing = [], []
+  _split_reductions(traced, layout, lmesh, found, reducing)
   derived = {o for e in reducing for o in e.outvars}
-  reductions = {id(e) for e in reducing}
+  reductions, chained = {id(e) for e in reducing}, False
   for eqn in traced.closed_jaxpr.jaxpr.eqns[traced.marker_index + 1:]:
     if any(not isinstance(v, jex.Literal) and v in derived for v in eqn.invars):
       if id(eqn) in reductions:
-        return True
+        chained = True
+        break
       derived.update(eqn.outvars)
-  return False
-
-
-def unmodelled_update(traced, layout, lmesh) -> list[str]:
-  """The primitives by which the update multiplies or loops over split state or split
-  gradients (Muon's Newton-Schulz iterations, Shampoo's preconditioners): XLA gathers or
-  reduces for them as it chooses, which the predicted collectives leave out."""
-  found = []
-  _split_reductions(traced, layout, lmesh, found)
-  return sorted(set(found))
+  return sorted(set(found)), chained
 
 
 def _per_example_aux(traced) -> dict:

@@ -486,15 +486,6 @@ def without_dead_gradients(closed: jex.ClosedJaxpr, marker_name: str,
   return jex.ClosedJaxpr(jaxpr.replace(eqns=kept[::-1]), closed.consts)
 
 
-def read_outputs(jaxpr, index: int) -> list[bool]:
-  """Per output of equation ``index``, whether a later equation or the jaxpr's result
-  reads it (XLA drops what nothing reads: a scaled loss beside its unscaled aux, a
-  module's state returned as aux by ``nnx.value_and_grad`` and overwritten)."""
-  read = {id(v) for e in jaxpr.eqns[index + 1:] for v in e.invars}
-  read |= {id(v) for v in jaxpr.outvars}
-  return [id(v) in read for v in jaxpr.eqns[index].outvars]
-
-
 def free_invars(jaxpr, eqn_ids: Iterable[int]) -> list[int]:
   """Positions of ``jaxpr.invars`` read by the given equations."""
   used = {v for i in eqn_ids for v in jaxpr.eqns[i].invars if not isinstance(v, jex.Literal)}

@@ -161,10 +161,14 @@ def loss_equation(jaxpr, unseen: int = 0) -> int:
   found = jaxpr_util.find_eqns(jaxpr, capture.pipeline_loss_p.name)
   total = jaxpr_util.count_primitive(jaxpr, capture.pipeline_loss_p.name)
   if len(found) != 1 or total != 1:
-    seen = ("found none" + (f" of its {unseen} jax.grad / value_and_grad calls usable"
-                            if unseen else "") if not total else
-            f"found {total} (a pipeline runs one differentiated function by stages: a GAN's "
-            f"two losses are not one)" if total > 1 else "found it inside a loop or cond")
+    if total > 1:
+      seen = (f"found {total} (a pipeline runs one differentiated function by stages: a "
+              f"GAN's two losses are not one)")
+    elif total == 1:
+      seen = "found it inside a loop or cond"
+    else:
+      seen = "found none" + (f" of its {unseen} jax.grad / value_and_grad calls usable"
+                             if unseen else "")
     raise errors.GradientMarkerError(
         f"PipeshardParallel pipelines the function the step differentiates, and {seen}: "
         f"{SEEN}; jitted helpers are fine, loops and conds are not. Use "
