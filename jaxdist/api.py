@@ -93,6 +93,15 @@ def _argnums(name: str, value, allow_auto: bool):
   return tuple(sorted(set(value)))
 
 
+def _batch_hint(args) -> str:
+  """Names the arguments that could be the batch: those whose array leaves share a leading dim."""
+  leading = lambda a: {jax.numpy.shape(x)[:1] for x in tree_util.tree_leaves(a) if is_array(x)}
+  fits = [i for i, a in enumerate(args) if len(leading(a) - {()}) == 1]
+  if not fits:
+    return ""
+  return f" (pass batch_argnums=({fits[-1]},) if argument {fits[-1]} is the batch)"
+
+
 @dataclasses.dataclass(frozen=True)
 class Planned:
   """A step traced and planned, not compiled.
@@ -380,7 +389,7 @@ class ParallelizedFunc:
       if not any(is_array(x) for x in tree_util.tree_leaves(args[b])):
         raise errors.NonArrayLeafError(
             f"batch argument {b} ({args[b]!r:.60}) holds no arrays; batch arguments must be "
-            f"arrays or pytrees of arrays with a leading batch dimension.")
+            f"arrays or pytrees of arrays with a leading batch dimension{_batch_hint(args)}.")
 
   @gc_paused()
   def _compile(self, args, static, planned: Planned | None = None):
@@ -571,10 +580,12 @@ class ParallelizedFunc:
                       f"(exact; XLA places its gradients' reduction).", errors.JaxdistWarning,
                       stacklevel=4)
         layout = data_parallel_layout(method, step, lmesh, whole_batch=untraced)
-      if layout.grad_reduce_specs is None and (untraced or batch_coupling(step)):
-        # One program over the whole batch (its batch statistics reduced across devices):
-        # the shard planner places its equations with the layout's inputs pinned, so that
-        # XLA compiles the collectives the plan predicts instead of choosing its own.
+      if layout.grad_reduce_specs is None and (untraced or batch_coupling(step)
+                                               or step.num_markers + step.unseen_gradients > 1):
+        # One program over the whole batch (its batch statistics reduced across devices, or
+        # several gradients: a Hessian-vector product's reduced beside the gradient's): the
+        # shard planner places its equations with the layout's inputs pinned, so that XLA
+        # compiles the collectives the plan predicts instead of choosing its own.
         pinned = m.ShardParallel(devices=lmesh, plan=make_plan("ShardParallel", step, layout))
         shard_plan = plan_shard_parallel(pinned, step, lmesh)
         step, layout = shard_plan.step, dataclasses.replace(shard_plan.layout, notes=(
