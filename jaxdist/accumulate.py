@@ -123,13 +123,15 @@ def reduced_outputs(step: TracedStep) -> tuple[bool, ...]:
   return tuple(bool(d & batch) and id(o) in read for d, o in zip(deps, marker.outvars))
 
 
-def split_at_marker(step: TracedStep) -> GradSplit:
-  """Finds the gradient and apply parts of ``step`` (which must have one marker)."""
+def split_at_marker(step: TracedStep, micro_batches: bool = False) -> GradSplit:
+  """Finds the gradient and apply parts of ``step`` (which must have one marker);
+  ``micro_batches``: warn if the apply part runs a forward pass on the batch (it is not
+  split into the micro-batches)."""
   jaxpr = step.closed_jaxpr.jaxpr
   marker_eqn = jaxpr.eqns[step.marker_index]
   apply_eqns = (jaxpr_util.needed_eqns(jaxpr, jaxpr.outvars, stop=[step.marker_index])
                 - {step.marker_index})
-  if _heavy_batch_work(jaxpr, apply_eqns, step):
+  if micro_batches and _heavy_batch_work(jaxpr, apply_eqns, step):
     warnings.warn(
         "the step uses the batch outside jaxdist.grad / value_and_grad (for example metrics "
         "from a second forward pass); that part runs on the whole batch at once, not per "
@@ -274,7 +276,7 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
       read split two ways and sliced for free in the plan, was carried split one way
       and moved to the other by an all-to-all in every micro-batch).
   """
-  split = split_at_marker(step)
+  split = split_at_marker(step, micro_batches=num_micro_batches > 1)
   closed = step.closed_jaxpr
   jaxpr = closed.jaxpr
   grad_jaxpr = split.grad_jaxpr.jaxpr

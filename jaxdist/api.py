@@ -597,12 +597,19 @@ class ParallelizedFunc:
             "places the parameters' gathers and the gradients' reduction itself, so the "
             "predicted collectives (each split parameter gathered for the forward and for "
             "the backward) may differ from the compiled ones"))
-      elif isinstance(method, (m.Zero2Parallel, m.Zero3Parallel)) and step.marker_index is not None:
-        from jaxdist.estimate import examples_reduced_in_update, unmodelled_update
+      elif step.marker_index is not None:
+        from jaxdist.estimate import (batch_values_moved, examples_reduced_in_update,
+                                      unmodelled_update)
         notes = []
+        zero = isinstance(method, (m.Zero2Parallel, m.Zero3Parallel))
         ops, chained = (unmodelled_update(step, layout, lmesh)
-                        if layout.grad_reduce_specs is not None else ([], False))
-        if examples_reduced_in_update(step):
+                        if zero and layout.grad_reduce_specs is not None else ([], False))
+        moved = batch_values_moved(step, layout, lmesh)[2]
+        if moved:
+          notes.append(f"the step runs {'/'.join(moved)} on examples outside its gradient (a "
+                       f"queue concatenated with the batch's keys, say): XLA moves those "
+                       f"examples itself, so the predicted collectives leave that out")
+        if zero and examples_reduced_in_update(step):
           notes.append("the update sums per-example aux outputs of the gradient (usage "
                        "counts, say): XLA gathers the examples or reduces their partial sums "
                        "itself, so the predicted collectives leave those out")

@@ -27,7 +27,6 @@ import collections
 import dataclasses
 import math
 import time
-import warnings
 from typing import Any
 
 import jax.extend.core as jex
@@ -607,7 +606,8 @@ def fixed_layout_collectives(method, traced, layout, lmesh):
     if token_weighted(traced):  # the token counts, summed beside the gradients (which are
       reduced += [4.0]          # divided by them after their reduction)
     by_op = {"reduce_sum": reduced}
-    for b, dtype, name in _split_reductions(traced, layout, lmesh):
+    examples, gathers, _ = batch_values_moved(traced, layout, lmesh)
+    for b, dtype, name in _split_reductions(traced, layout, lmesh) + examples:
       by_op.setdefault(name, []).append(moved(b, dtype))
     for sizes in by_op.values():
       add("all-reduce", sizes, sum(sizes))
@@ -617,15 +617,16 @@ def fixed_layout_collectives(method, traced, layout, lmesh):
   else:
     sizes = [moved(_bytes(l.shape, l.dtype), l.dtype) for l in params]
     add("all-reduce", sizes, sum(sizes))
+    gathers = []
+  gathered = [moved(b, dtype) for b, dtype in gathers]
   if isinstance(method, m.Zero2Parallel):  # the parameters updated on shards (not a (1,) bias)
     split = {src for src, c in zip(traced.output_source, layout.out_constraints) if c is not None}
-    sizes = [moved(_bytes(l.shape, l.dtype), l.dtype) for k, l in enumerate(traced.inputs)
-             if l.role == PARAM and k in split]
-    add("all-gather", sizes, sum(sizes))
+    gathered += [moved(_bytes(l.shape, l.dtype), l.dtype) for k, l in enumerate(traced.inputs)
+                 if l.role == PARAM and k in split]
   if isinstance(method, m.Zero3Parallel):
-    sizes = [moved(_bytes(l.shape, l.dtype), l.dtype) for l, n in _gathers(traced, layout, lmesh)
-             for _ in range(n)]
-    add("all-gather", sizes, sum(sizes))
+    gathered += [moved(_bytes(l.shape, l.dtype), l.dtype)
+                 for l, n in _gathers(traced, layout, lmesh) for _ in range(n)]
+  add("all-gather", gathered, sum(gathered))
   return out
 
 
@@ -640,16 +641,16 @@ def _split_reductions(traced, layout, lmesh, unmodelled: list | None = None,
   jaxpr = traced.closed_jaxpr.jaxpr
   marker = jaxpr.eqns[traced.marker_index]
   dims = lambda spec: frozenset(d for d, a in enumerate(spec) if a is not None)
-  split = {v: dims(spec) for v, spec in zip(jaxpr.invars, layout.in_specs)
-           if _shards(spec, lmesh) > 1}
+  # (the batch's own splits are batch_values_moved's)
+  split = {v: dims(spec) for v, spec, leaf in zip(jaxpr.invars, layout.in_specs, traced.inputs)
+           if _shards(spec, lmesh) > 1 and leaf.role != BATCH}
   split.update((v, dims(spec)) for v, spec in zip(marker.outvars, layout.grad_reduce_specs)
                if spec is not None and _shards(spec, lmesh) > 1)
   # An aux output with a batch dimension stays split over the batch axes: with the state
   # whole (DataParallel), XLA all-reduces the partial sums the update makes of it (a
   # codebook's usage counts), beside the gradients. (ZeRO's plans say that XLA places
   # those: into split state, it gathered the examples instead.)
-  whole = all(leaf.role == BATCH for v, leaf in zip(jaxpr.invars, traced.inputs) if v in split)
-  if whole and all(s is None for s in layout.grad_reduce_specs) and math.prod(
+  if not split and all(s is None for s in layout.grad_reduce_specs) and math.prod(
       lmesh.axis_size(a) for a in layout.batch_axes) > 1:
     split.update(_per_example_aux(traced))
   out = []
@@ -748,6 +749,101 @@ def _follow_splits(eqns, split: dict, out: list, unmodelled: list | None = None,
         split[eqn.outvars[0]] = rest
 
 
+FOLLOWED = frozenset({"broadcast_in_dim", "transpose", "reshape", *ELEMENTWISE, *REDUCTIONS})
+
+
+def batch_values_moved(traced, layout, lmesh) -> tuple[list, list, list[str]]:
+  """What XLA moves of the batch values a fixed layout's step uses outside its gradient
+  part, split over the batch axes as the batch is: ``(reductions, gathers, unmodelled)``.
+  A metric's sum over the examples is all-reduced (``reductions``: (bytes, dtype,
+  primitive), as :func:`_split_reductions`); examples written into state that every
+  device holds (a MoCo queue's keys) are all-gathered (``gathers``: (bytes, dtype)); the
+  names of the other equations reading split examples are ``unmodelled`` (XLA moves
+  those examples as it chooses)."""
+  if traced.marker_index is None or layout.grad_reduce_specs is None or math.prod(
+      lmesh.axis_size(a) for a in layout.batch_axes) == 1:
+    return [], [], []
+  split, reductions, gathers, unmodelled = _batch_split(traced)
+  jaxpr = traced.closed_jaxpr.jaxpr
+  for v, spec in zip(jaxpr.outvars, layout.out_specs):
+    if not isinstance(v, jex.Literal) and v in split and _shards(spec, lmesh) == 1:
+      gathers.append((nbytes(v), v.aval.dtype))
+  return reductions, gathers, sorted(set(unmodelled))
+
+
+def _batch_split(traced) -> tuple[dict, list, list, list[str]]:
+  """:func:`batch_values_moved`'s walk over the equations outside the gradient part:
+  the values split like the batch's rows (value -> split dims) and what it found."""
+  jaxpr = traced.closed_jaxpr.jaxpr
+  split = {v: frozenset({0}) for v, leaf in zip(jaxpr.invars, traced.inputs)
+           if leaf.role == BATCH and leaf.shape}
+  apply = jaxpr_util.needed_eqns(jaxpr, jaxpr.outvars, stop=[traced.marker_index])
+  reductions, gathers, unmodelled = [], [], []
+
+  def walk(eqns, split):
+    for eqn in eqns:
+      ins = {k: split[v] for k, v in enumerate(eqn.invars)
+             if not isinstance(v, jex.Literal) and v in split}
+      name, body = eqn.primitive.name, jaxpr_util.call_body(eqn)
+      if not ins:
+        continue
+      if body is not None and name not in ("cond", "scan", "while"):  # jit, custom_jvp, ...
+        inner = {b: ins[k] for k, b in enumerate(body.jaxpr.invars) if k in ins}
+        walk(body.jaxpr.eqns, inner)
+        split.update((o, inner[b]) for o, b in zip(eqn.outvars, body.jaxpr.outvars)
+                     if not isinstance(b, jex.Literal) and b in inner)
+      elif name == "dot_general" and _free_dims_split(eqn, ins) is not None:
+        split[eqn.outvars[0]] = _free_dims_split(eqn, ins)
+      elif _kept_rows(eqn, ins) is not None:
+        split[eqn.outvars[0]] = _kept_rows(eqn, ins)
+      elif name == "dynamic_update_slice" and set(ins) == {1}:
+        gathers.append((nbytes(eqn.invars[1]), eqn.invars[1].aval.dtype))
+      elif name in FOLLOWED or (name == "dot_general" and len(ins) == 2
+                                 and _contracts_split(eqn, list(ins.items()))):
+        _follow_splits([eqn], split, reductions)
+      else:
+        unmodelled.append(name)
+
+  walk([jaxpr.eqns[i] for i in sorted(apply - {traced.marker_index})], split)
+  return split, reductions, gathers, unmodelled
+
+
+def _kept_rows(eqn, ins: dict) -> frozenset | None:
+  """The split dims of the result of a slice, pad, squeeze or convolution whose first
+  operand alone is split, where the split dims are not cut (XLA keeps the split)."""
+  name, dims = eqn.primitive.name, ins.get(0)
+  if set(ins) != {0}:
+    return None
+  shape = eqn.invars[0].aval.shape
+  if name in ("slice", "pad", "dynamic_slice"):
+    out = eqn.outvars[0].aval.shape
+    return dims if all(out[d] == shape[d] for d in dims) else None
+  if name == "squeeze":
+    gone = set(eqn.params["dimensions"])
+    return frozenset(d - sum(g < d for g in gone) for d in dims)
+  if name == "conv_general_dilated":
+    numbers = eqn.params["dimension_numbers"]
+    batch = numbers.lhs_spec[0]
+    return frozenset({numbers.out_spec[0]}) if dims == {batch} else None
+  return None
+
+
+def _free_dims_split(eqn, ins: dict) -> frozenset | None:
+  """The output dims of a dot whose operands are split on batch or free dims only (none
+  contracted): its result is split on those dims' places, with no communication."""
+  (contract, batch) = eqn.params["dimension_numbers"]
+  shapes = [len(v.aval.shape) for v in eqn.invars]
+  if any(set(ins.get(k, ())) & set(contract[k]) for k in (0, 1)):
+    return None
+  free = [[d for d in range(shapes[k]) if d not in contract[k] and d not in batch[k]]
+          for k in (0, 1)]
+  place = [dict(zip(batch[k], range(len(batch[0])))) for k in (0, 1)]
+  for k in (0, 1):
+    offset = len(batch[0]) + (len(free[0]) if k else 0)
+    place[k].update((d, offset + j) for j, d in enumerate(free[k]))
+  return frozenset(place[k][d] for k, dims in ins.items() for d in dims)
+
+
 def _contracts_split(eqn, ins) -> bool:
   """Whether a dot's two operands are split on a pair of its contracted dims."""
   (lc, rc), _ = eqn.params["dimension_numbers"]
@@ -764,27 +860,29 @@ def _gathers(traced, layout, lmesh) -> list[tuple[Any, int]]:
              if l.role in (PARAM, INPUT) and _shards(spec, lmesh) > 1]
   if not layout.stream_inputs or traced.marker_index is None:
     return [(l, 2) for _, l in sharded]
-  with warnings.catch_warnings():  # the compile warns about the split, if it must
-    warnings.simplefilter("ignore")
-    split = split_at_marker(traced)
+  split = split_at_marker(traced)
   grad_jaxpr = split.grad_jaxpr.jaxpr
   reads = collections.Counter()
   for i in split.grad_eqns:
     for v in {v for v in grad_jaxpr.eqns[i].invars if not isinstance(v, jex.Literal)}:
       reads[v] += 1
-  # After the gradients: a parameter, or its update (elementwise, held split alike), read
-  # by a matmul or convolution.
+  # Outside the gradients: a parameter, or its update (elementwise, broadcast, reshaped: held
+  # split alike), read by a matmul or convolution, or beside values split like the batch's
+  # rows (a momentum encoder's bias added to its activations, a queue the keys are
+  # written into).
   jaxpr = traced.closed_jaxpr.jaxpr
   held = {jaxpr.invars[k]: k for k, _ in sharded}
+  rows = _batch_split(traced)[0]
   after = collections.Counter()
   for i in sorted(split.apply_eqns):
     eqn = jaxpr.eqns[i]
     ins = {held[v] for v in eqn.invars if not isinstance(v, jex.Literal) and v in held}
     if not ins:
       continue
-    if any(jaxpr_util.count_primitive(jaxpr, name, [i]) for name in HEAVY):
+    if (any(jaxpr_util.count_primitive(jaxpr, name, [i]) for name in HEAVY)
+        or any(not isinstance(v, jex.Literal) and v in rows for v in eqn.invars)):
       after.update(ins)
-    elif eqn.primitive.name in ELEMENTWISE and len(ins) == 1:
+    elif eqn.primitive.name in (*ELEMENTWISE, "broadcast_in_dim", "reshape") and len(ins) == 1:
       (k,) = ins
       held.update((o, k) for o in eqn.outvars)
   return [(l, reads[grad_jaxpr.invars[k]] * layout.num_micro_batches + after[k])
