@@ -873,7 +873,7 @@ def _gathers(traced, layout, lmesh) -> list[tuple[Any, int]]:
   jaxpr = traced.closed_jaxpr.jaxpr
   held = {jaxpr.invars[k]: k for k, _ in sharded}
   rows = _batch_split(traced)[0]
-  after = collections.Counter()
+  after, gathered = collections.Counter(), set()
   for i in sorted(split.apply_eqns):
     eqn = jaxpr.eqns[i]
     ins = {held[v] for v in eqn.invars if not isinstance(v, jex.Literal) and v in held}
@@ -881,7 +881,10 @@ def _gathers(traced, layout, lmesh) -> list[tuple[Any, int]]:
       continue
     if (any(jaxpr_util.count_primitive(jaxpr, name, [i]) for name in HEAVY)
         or any(not isinstance(v, jex.Literal) and v in rows for v in eqn.invars)):
-      after.update(ins)
+      # XLA's partitioner gathers a value once for all its readers
+      new = {v for v in eqn.invars if not isinstance(v, jex.Literal) and v in held} - gathered
+      after.update(held[v] for v in new)
+      gathered |= new
     elif eqn.primitive.name in (*ELEMENTWISE, "broadcast_in_dim", "reshape") and len(ins) == 1:
       (k,) = ins
       held.update((o, k) for o in eqn.outvars)

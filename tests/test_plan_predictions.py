@@ -295,8 +295,8 @@ def test_a_step_with_a_hessian_vector_product_predicts_both_reductions(method):
 
 
 def _moco(write):
-  """MoCo: keys from a momentum encoder outside the gradient, written into a queue of
-  negatives that every device holds (``write(queue, keys)``)."""
+  """MoCo: keys from a momentum encoder outside the gradient (averaged over two views),
+  written into a queue of negatives that every device holds (``write(queue, keys)``)."""
   encoder = models.MLP(hidden=64, num_layers=2, out=16)
   x = jax.random.normal(jax.random.key(0), (32, 32))
   params = encoder.init(jax.random.key(1), x)
@@ -306,7 +306,8 @@ def _moco(write):
   batch = {"x": x, "noise": jax.random.normal(jax.random.key(3), (32, 32))}
 
   def step(state, batch):
-    keys = jax.lax.stop_gradient(encoder.apply(state["momentum"], batch["x"] + batch["noise"]))
+    views = (batch["x"] + batch["noise"], batch["x"] - batch["noise"])
+    keys = jax.lax.stop_gradient(sum(encoder.apply(state["momentum"], v) for v in views) / 2)
 
     def loss(p):
       q = encoder.apply(p, batch["x"])
@@ -330,7 +331,9 @@ def _moco(write):
 def test_keys_written_into_a_queue_outside_the_gradient_are_predicted(method):
   """The keys (split like the batch) written into the queue are all-gathered, and under
   ZeRO-3 so are the queue and every parameter of the momentum encoder (its biases too,
-  added to activations split like the batch). Predicted 0 and 3 of those gathers before."""
+  added to activations split like the batch): a kernel once for both views' matmuls (XLA
+  gathers a value once for all its readers), a bias once per view (each view broadcasts
+  it anew). Predicted 0 and 3 of those gathers before."""
   step, state, batch = _moco(lambda q, k: jax.lax.dynamic_update_slice(q, k, (0, 0)))
   exe = jd.parallelize(step, method=method).get_executable(state, batch)
   _assert_predicted_as_compiled(exe)
