@@ -142,6 +142,19 @@ def test_batch_argument_without_arrays():
     jd.parallelize(models.regression_step())(state, "not a batch")
 
 
+def test_a_batch_argument_without_arrays_names_the_argument_that_looks_like_one():
+  """step(params, opt_state, batch) with SGD (its state holds no arrays) and the default
+  batch_argnums=(1,)."""
+  state, batch = _state()
+  tx = optax.sgd(0.1)
+
+  def step(params, opt_state, batch):
+    return params, opt_state
+
+  with pytest.raises(errors.NonArrayLeafError, match=r"batch_argnums=\(2,\) if argument 2"):
+    jd.parallelize(step)(state.params, tx.init(state.params), batch)
+
+
 def test_unknown_method_arguments():
   with pytest.raises(errors.UnknownArgumentError, match=r"'num_stages'.*valid arguments are: "
                      r"devices, num_micro_batches"):
