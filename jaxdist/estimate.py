@@ -763,7 +763,7 @@ def batch_values_moved(traced, layout, lmesh) -> tuple[list, list, list[str]]:
   if traced.marker_index is None or layout.grad_reduce_specs is None or math.prod(
       lmesh.axis_size(a) for a in layout.batch_axes) == 1:
     return [], [], []
-  split, reductions, gathers, unmodelled = _batch_split(traced)
+  split, reductions, gathers, unmodelled = _batch_split(traced, layout, lmesh)
   jaxpr = traced.closed_jaxpr.jaxpr
   for v, spec in zip(jaxpr.outvars, layout.out_specs):
     if not isinstance(v, jex.Literal) and v in split and _shards(spec, lmesh) == 1:
@@ -771,12 +771,13 @@ def batch_values_moved(traced, layout, lmesh) -> tuple[list, list, list[str]]:
   return reductions, gathers, sorted(set(unmodelled))
 
 
-def _batch_split(traced) -> tuple[dict, list, list, list[str]]:
+def _batch_split(traced, layout, lmesh) -> tuple[dict, list, list, list[str]]:
   """:func:`batch_values_moved`'s walk over the equations outside the gradient part:
   the values split like the batch's rows (value -> split dims) and what it found."""
   jaxpr = traced.closed_jaxpr.jaxpr
-  split = {v: frozenset({0}) for v, leaf in zip(jaxpr.invars, traced.inputs)
-           if leaf.role == BATCH and leaf.shape}
+  split = {v: frozenset(d for d, a in enumerate(spec) if a is not None)
+           for v, spec, leaf in zip(jaxpr.invars, layout.in_specs, traced.inputs)
+           if leaf.role == BATCH and _shards(spec, lmesh) > 1}
   apply = jaxpr_util.needed_eqns(jaxpr, jaxpr.outvars, stop=[traced.marker_index])
   reductions, gathers, unmodelled = [], [], []
 
@@ -872,7 +873,7 @@ def _gathers(traced, layout, lmesh) -> list[tuple[Any, int]]:
   # written into).
   jaxpr = traced.closed_jaxpr.jaxpr
   held = {jaxpr.invars[k]: k for k, _ in sharded}
-  rows = _batch_split(traced)[0]
+  rows = _batch_split(traced, layout, lmesh)[0]
   after, gathered = collections.Counter(), set()
   for i in sorted(split.apply_eqns):
     eqn = jaxpr.eqns[i]

@@ -37,7 +37,12 @@ from jaxdist.shard.reshard import reshard_ops
 from jaxdist.shard.specs import DimAxes
 
 
-DISALLOWED_S = 1e3
+# What a disallowed collective (or a split a micro-batch loop cannot keep) costs. The ILP
+# states it as more than any allowed plan costs in all (``solver.solve_ilp``): a fixed
+# 1000 s was less than a 4 KB all-gather at Alpa's unit link costs (β = 1 s per byte),
+# so allow_all_gather=False still planned 15 of them on an MLP; and at realistic costs,
+# beside microsecond costs, it stalled HiGHS at the root (a cost range of 1e-5 to 4e5 s).
+DISALLOWED_S = math.inf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +106,8 @@ class CostModel:
       passes the mesh's, which defaults to its device kind's).
     memory_bandwidth: per-device bytes per second for writing an equation's outputs.
     allow_all_gather, allow_all_to_all: when False, resharding that needs that
-      collective costs ``DISALLOWED_S`` instead, so the planner avoids it if it can.
+      collective costs ``DISALLOWED_S`` (infinite) instead: the planner avoids it
+      wherever a plan can.
     combining: which kinds XLA combines; their α is left out of :meth:`collective`
       and charged once per combined group by the planner.
   """

@@ -222,6 +222,27 @@ def _fixed(graph: StrategyGraph, memory: MemoryConstraint | None, hub: int, a: i
   return StrategyGraph([], sizes, costs, edges, {}, (), combine=combine), memory
 
 
+def _bounded(graph: StrategyGraph) -> StrategyGraph:
+  """``graph`` with its infinite (disallowed) costs made finite: each costs more than every
+  finite cost of the graph together, so any plan with one costs more than any plan
+  without, and the costs stay within a range HiGHS solves."""
+  finite = lambda m: float(np.max(m[np.isfinite(m)], initial=0.0))
+  if all(np.all(np.isfinite(c)) for c in graph.group_costs) and all(
+      np.all(np.isfinite(m)) for m in graph.edge_costs.values()):
+    return graph
+  bound = sum(finite(np.asarray(c, dtype=float)) for c in graph.group_costs)
+  bound += sum(finite(m) for m in graph.edge_costs.values())
+  if graph.combine is not None:
+    combine = graph.combine
+    bound += sum(t.alpha * max(1.0, sum(b for _, b in t.members) / combine.threshold_bytes,
+                               len(t.members) / combine.threshold_count)
+                 for t in combine.terms)
+  big = 2.0 * bound + 1e-3
+  costs = [np.where(np.isfinite(c), c, big) for c in map(np.asarray, graph.group_costs)]
+  edges = {gh: np.where(np.isfinite(m), m, big) for gh, m in graph.edge_costs.items()}
+  return StrategyGraph([], list(graph.group_sizes), costs, edges, {}, (), combine=graph.combine)
+
+
 def fold_free_leaves(graph: StrategyGraph, memory: MemoryConstraint | None):
   """The problem without the groups whose choice follows from one neighbour's at no cost.
 
@@ -380,6 +401,7 @@ def solve_ilp(graph: StrategyGraph, memory: MemoryConstraint | None = None,
     solution = solve_ilp(reduced, reduced_memory, budget, time_limit_s)
     choice = expand(solution.choice)
     return Solution(choice, objective_of(graph, choice), solution.status)
+  graph, unbounded = _bounded(graph), graph
   # Imported here: cvxpy takes ~1.4 s to import, which methods without an ILP never need.
   import cvxpy as cp
   import scipy.sparse as sp
@@ -512,7 +534,7 @@ def solve_ilp(graph: StrategyGraph, memory: MemoryConstraint | None = None,
       warnings.warn(f"the sharding ILP hit its time limit ({time_limit_s} s); using the best "
                     f"plan found so far (raise AutoShardingOption.solver_time_limit_s for a "
                     f"better one).", errors.JaxdistWarning, stacklevel=3)
-  return Solution(choice, objective_of(graph, choice), status)
+  return Solution(choice, objective_of(unbounded, choice), status)
 
 
 def _edge_classes(edge_costs: dict, memory_edges, terms) -> dict:
