@@ -80,8 +80,14 @@ def _assert_predicted_as_compiled(exe):
     # (two all-reduces of each weight gradient, and of the loss).
     (lambda: _lm(models.GPT, config=models.GPTConfig(vocab=256, width=32, heads=4, depth=2,
                                                      seq_len=32), batch_size=4), (4, 2), {}),
+    # The embedding gradient's input, resharded for the token table's scatter: XLA summed
+    # the position embedding's gradient from that copy too (then all-gathered it) unless
+    # its reader is pinned to the layout the plan all-reduces it in.
+    (lambda: _lm(models.GPT, optax.sgd(0.1), config=models.GPTConfig(
+        vocab=512, width=128, heads=2, depth=3, seq_len=64, scan_layers=True)), (2, 2), UNIT),
 ], ids=["mlp-8-h100", "mlp-2x4-unit", "gpt-2x4-default", "gpt-8-unit", "bert-2x4-two-level",
-        "moe-2x4-default", "moe-4x2-default", "gpt-8-batch-2", "gpt-4x2-batch-4"])
+        "moe-2x4-default", "moe-4x2-default", "gpt-8-batch-2", "gpt-4x2-batch-4",
+        "scanned-gpt-2x2-unit"])
 def test_predicted_collectives_match_the_compiled_module(workload, shape, costs):
   step, state, batch = workload()
   exe = jd.parallelize(step, method=jd.ShardParallel(devices=_mesh(shape, costs))).get_executable(

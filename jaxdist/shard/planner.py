@@ -1032,6 +1032,7 @@ def layout_of(step: TracedStep, plan: MeshPlan, num_micro_batches: int = 1) -> L
   # consumer another way (gather the other operand of a dot instead, say), which the
   # plan did not price.
   operands: dict[int, list] = {}
+  kept, moved = [], set()  # flows reading their value as made; values resharded
   for flow in graph.flows:
     node = graph.nodes[flow.dst]
     if flow.tied or node.eqn is None or "no rule" in node.strategies[0].name:
@@ -1039,9 +1040,11 @@ def layout_of(step: TracedStep, plan: MeshPlan, num_micro_batches: int = 1) -> L
     want = flow.required[choice[node.group]]
     src = graph.nodes[flow.src]
     if want is None or want == src.strategies[choice[src.group]].out_specs[flow.pos]:
+      kept.append(flow)
       continue
     specs = operands.setdefault(eqn_index[id(node.eqn)], [None] * len(node.eqn.invars))
     specs[flow.operand] = to_partition_spec(want)
+    moved.add((flow.src, flow.pos))
     # The value resharded keeps the plan's layout where it is produced, even where the
     # plan had no choice to make there: else XLA may carry the resharded layout back to
     # it, and its other readers would see that one (a gather's split token ids read
@@ -1051,6 +1054,21 @@ def layout_of(step: TracedStep, plan: MeshPlan, num_micro_batches: int = 1) -> L
         and src.eqn.primitive.name not in REARRANGING):
       constraints.setdefault(eqn_index[id(src.eqn)], tuple(
           to_partition_spec(s) for s in src.strategies[choice[src.group]].out_specs))
+  # The other readers of a value so pinned read it as made too: left to themselves, XLA
+  # may have them read the moved copy (a GPT's position-embedding gradient summed from
+  # the copy of the embeddings' gradient that the token table's scatter reads split
+  # another way, then all-gathered, where the plan all-reduces the sum of the value as
+  # made). (A parameter's readers are left alone: the plan has XLA reuse its gathered
+  # copy, for a convolution's reversed kernel, say.)
+  for flow in kept:
+    node, src = graph.nodes[flow.dst], graph.nodes[flow.src]
+    if ((flow.src, flow.pos) in moved and flow.operand is not None and src.eqn is not None
+        and "no rule" not in src.strategies[0].name
+        and src.eqn.primitive.name not in REARRANGING):
+      specs = operands.setdefault(eqn_index[id(node.eqn)], [None] * len(node.eqn.invars))
+      if specs[flow.operand] is None:
+        specs[flow.operand] = to_partition_spec(
+            src.strategies[choice[src.group]].out_specs[flow.pos])
   operand_constraints = {i: tuple(specs) for i, specs in operands.items()}
   batch_axes, reduce_specs = plan.lmesh.axis_names, None
   if num_micro_batches > 1:

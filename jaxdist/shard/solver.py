@@ -380,13 +380,14 @@ def solve_ilp(graph: StrategyGraph, memory: MemoryConstraint | None = None,
   if hub is not None:
     # One solve per choice of the hub, whose edges are then costs of their other ends.
     n = graph.group_sizes[hub]
-    best = None
+    best, limited = None, False
     for a in range(n):
       try:
         solution = solve_ilp(*_fixed(graph, memory, hub, a), budget,
                              None if time_limit_s is None else time_limit_s / n)
       except errors.InfeasiblePlanError:
         continue
+      limited |= solution.status in ("time_limit", "over_budget")
       choice = solution.choice[:hub] + (a,) + solution.choice[hub + 1:]
       found = Solution(choice, objective_of(graph, choice), solution.status)
       if best is None or ((found.status == "over_budget", found.objective)
@@ -394,6 +395,8 @@ def solve_ilp(graph: StrategyGraph, memory: MemoryConstraint | None = None,
         best = found
     if best is None:
       _infeasible(memory, budget)  # (the least any plan needs, over every choice of the hub)
+    if limited and best.status == "optimal":  # (another choice's solve was cut short)
+      best = dataclasses.replace(best, status="time_limit")
     return best
   folded = fold_free_leaves(graph, memory)
   if folded is not None:
