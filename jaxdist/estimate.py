@@ -45,6 +45,9 @@ from jaxdist.shard.strategies import ELEMENTWISE, REDUCTIONS, nbytes
 from jaxdist.trace import BATCH, INPUT, OPTIMIZER, PARAM, gc_paused, with_micro_batch_trace
 
 ROLE_KEYS = {PARAM: "params", OPTIMIZER: "optimizer", BATCH: "batch"}
+# Equations a gradient passes through unchanged but for its layout, or summed with another.
+PASSING_GRADIENTS = frozenset({"reshape", "transpose", "convert_element_type", "copy", "copy_p",
+                               "squeeze", "expand_dims", "add_any"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,7 +292,8 @@ def estimate_planned(method: m.Method, planned, micro_step, calibrated: bool = T
                   if planned.traced.inputs[i].role in (PARAM, INPUT)
                   and _splits_over(layout.in_specs[i], layout.batch_axes)}
       hoisted = _hoisted_copies(planned, gathered, aligned)
-    work = _split_step(planned, closed, size, gathered, hoisted)
+    work = _split_step(planned, closed, size, gathered, hoisted,
+                       _reduced_in_loop(planned) if planned.shard_plan is not None else ())
     if planned.shard_plan is not None:
       work = dataclasses.replace(work, flops=_planned_flops(planned.shard_plan.mesh_plan))
   notes += work.notes
@@ -438,11 +442,14 @@ def _micro_step(func, planned, args):
                                 n * layout.num_micro_batches).micro_jaxpr
 
 
-def _split_step(planned, closed, size=nbytes, gathered_inputs=None, hoisted=None):
+def _split_step(planned, closed, size=nbytes, gathered_inputs=None, hoisted=None,
+                in_loop=()):
   """Temporaries of a step whose gradients the layout reduces itself (``jaxdist.grad``'s
   marker) or XLA reduces (no marker), walked on one device's micro-batch program.
   ``gathered_inputs``: bytes per input position the gradient part reads gathered;
-  ``hoisted``: the copies made before the loop (:func:`_hoisted_copies`)."""
+  ``hoisted``: the copies made before the loop (:func:`_hoisted_copies`); ``in_loop``:
+  the gradients (positions among the marker's operands) reduced in the loop
+  (:func:`_reduced_in_loop`)."""
   layout = planned.layout
   lmesh, k = layout.logical_mesh, layout.num_micro_batches
   jaxpr = closed.jaxpr
@@ -477,7 +484,18 @@ def _split_step(planned, closed, size=nbytes, gathered_inputs=None, hoisted=None
       starts.append(start)
       ends.append(end)
       local += nb
-      if batch_shards == 1:  # nothing to reduce (``accumulate`` emits no collective):
+      if k > 1 and i in in_loop:
+        # all-reduced per micro-batch: the reduced copy is made beside the local one
+        # (combined: every gradient's, at the backward's end), then added into the
+        # accumulator (a tied GPT on 4x2 whose micro-batches the plan splits over both
+        # axes, the loop over one: 0.79x of XLA's bytes without it)
+        last = max(start, pm - 1) if combined else start
+        timeline.buffers[b] = [first, last, nb]
+        timeline.add(("reduced in loop", i), last, last, nb)
+        labels[("reduced in loop", i)] = "grads"
+        if batch_shards > 1:
+          timeline.add(("reduced", i), pm, end, reduced)
+      elif batch_shards == 1:  # nothing to reduce (``accumulate`` emits no collective):
         # added into the accumulator, or, where each leaf's update reads its own
         # gradient only, updated as produced
         timeline.buffers[b] = [first, start if k > 1 or per_leaf else end, nb]
@@ -1004,6 +1022,37 @@ def _update_sizes(closed, layout):
       shards[o] = max(same, default=1)
   after = {o for e in jaxpr.eqns[found[0] + 1:] for o in e.outvars}
   return lambda v: nbytes(v) / shards[v] if v in after else nbytes(v)
+
+
+def _reduced_in_loop(planned) -> set[int]:
+  """The gradients (positions among the marker's operands) a shard plan's micro-batch
+  loop reduces per micro-batch: summed over a mesh axis that is not one of the loop's
+  batch axes (the plan splits each micro-batch over more axes than the batch it is
+  given). The sum is found at the gradient's producer or, through rearrangements and
+  sums of gradients, before it."""
+  layout, result = planned.layout, planned.shard_plan
+  if layout.num_micro_batches <= 1 or result.step.marker_index is None:
+    return set()
+  plan = result.mesh_plan
+  graph, choice = plan.graph, plan.solution.choice
+  jaxpr = result.step.closed_jaxpr.jaxpr
+  batch_axes = set(layout.batch_axes)
+
+  def summed_in_loop(v, seen) -> bool:
+    if isinstance(v, jex.Literal) or v not in graph.producer or v in seen:
+      return False
+    seen.add(v)
+    node = graph.nodes[graph.producer[v][0]]
+    if any(kind in ("all-reduce", "reduce-scatter") and set(axes) - batch_axes
+           for kind, axes, _ in node.strategies[choice[node.group]].collectives):
+      return True
+    eqn = node.eqn
+    return (eqn is not None and eqn.primitive.name in PASSING_GRADIENTS
+            and any(summed_in_loop(u, seen) for u in eqn.invars))
+
+  marker = jaxpr.eqns[result.step.marker_index]
+  return {i for i, (v, kind) in enumerate(zip(marker.invars, marker.params["kinds"]))
+          if kind == GRAD and summed_in_loop(v, set())}
 
 
 def _micro_sizes(planned, aligned: dict):

@@ -192,6 +192,23 @@ def test_a_micro_batched_shard_plan_on_2x4_is_estimated_and_predicted():
     assert est.collectives[kind]["count"] == c["count"], est.summary()
 
 
+def test_gradients_reduced_inside_the_micro_batch_loop_are_counted_there():
+  """A tied GPT with 4 micro-batches on (4, 2): the batch enters the loop split over
+  mesh_0, and the plan splits each micro-batch over mesh_1 too, so XLA all-reduces the
+  gradients over mesh_1 in every micro-batch. At the backward's end the local gradients,
+  their reduced copies and the accumulator are alive together (with the blocks
+  recomputed, that is the peak: estimated without the copies, 0.79x of XLA's bytes)."""
+  config = models.GPTConfig(vocab=1000, width=64, heads=8, depth=2, seq_len=32,
+                            tied_embedding=True)
+  batch = models.token_batch(32, config)
+  state = models.create_state(models.GPT(config), batch["tokens"][:, :-1], tx=optax.sgd(0.1))
+  method = jd.ShardParallel(devices=jd.LogicalMesh((4, 2)), num_micro_batches=4,
+                            recompute_modules="Block")
+  est = jd.estimate(models.lm_step(jd.value_and_grad), state, batch, method=method,
+                    compile=True)
+  assert abs(est.memory_per_device / est.compiled["total"] - 1) <= 0.05, est.summary()
+
+
 class _ScanBlock(nn.Module):
   @nn.compact
   def __call__(self, x, _):
