@@ -626,11 +626,21 @@ def _conv(eqn, cost_model: CostModel) -> list[Strategy]:
   ls, rs = _shape(lhs), _shape(rhs)
   sizes = cost_model.axis_sizes
   flops = 2.0 * math.prod(_shape(out)) * math.prod(rs) / max(rs[rspec[0]], 1)
-  if eqn.params.get("feature_group_count", 1) != 1 or eqn.params.get("batch_group_count", 1) != 1:
-    return [_replicated_strategy(eqn, "conv grouped", cost_model.compute(flops, 1))]
+  # Grouped (a depthwise convolution: feature groups; its kernel gradient: batch groups):
+  # each device takes whole groups, split along the grouped dim of the input with the
+  # kernel's and the result's output features ("out"); a feature-grouped convolution
+  # splits its batch as any does, and a batch-grouped one sums over its input features
+  # ("in": the examples of the forward).
+  feature_groups = eqn.params.get("feature_group_count", 1)
+  batch_groups = eqn.params.get("batch_group_count", 1)
+  groups = max(feature_groups, batch_groups)
   axes = [a for a, n in sizes.items() if n > 1]
   strategies = []
   for choice in itertools.product([None, "batch", "out", "in"], repeat=len(axes)):
+    if (feature_groups > 1 and "in" in choice) or (batch_groups > 1 and "batch" in choice):
+      continue
+    if groups % math.prod(sizes[a] for a, c in zip(axes, choice) if c == "out"):
+      continue
     l = [[] for _ in ls]; r = [[] for _ in rs]; o = [[] for _ in _shape(out)]
     partial = []
     for axis, role in zip(axes, choice):
@@ -638,6 +648,8 @@ def _conv(eqn, cost_model: CostModel) -> list[Strategy]:
         l[lspec[0]].append(axis); o[ospec[0]].append(axis)
       elif role == "out":
         r[rspec[0]].append(axis); o[ospec[1]].append(axis)
+        if groups > 1:  # the input's grouped dim goes with them
+          l[lspec[1] if feature_groups > 1 else lspec[0]].append(axis)
       elif role == "in":
         l[lspec[1]].append(axis); r[rspec[1]].append(axis); partial.append(axis)
     l, r, o = tuple(map(tuple, l)), tuple(map(tuple, r)), tuple(map(tuple, o))
