@@ -85,9 +85,14 @@ def _assert_predicted_as_compiled(exe):
     # its reader is pinned to the layout the plan all-reduces it in.
     (lambda: _lm(models.GPT, optax.sgd(0.1), config=models.GPTConfig(
         vocab=512, width=128, heads=2, depth=3, seq_len=64, scan_layers=True)), (2, 2), UNIT),
+    # A scan of one block is no loop once compiled: its gradients' all-reduces combine
+    # with the embeddings' (predicted 2 apart, 1 compiled).
+    (lambda: _lm(models.GPT, config=models.GPTConfig(
+        vocab=512, width=128, heads=8, depth=1, seq_len=16, scan_layers=True), batch_size=8),
+     (8, 1), H100),
 ], ids=["mlp-8-h100", "mlp-2x4-unit", "gpt-2x4-default", "gpt-8-unit", "bert-2x4-two-level",
         "moe-2x4-default", "moe-4x2-default", "gpt-8-batch-2", "gpt-4x2-batch-4",
-        "scanned-gpt-2x2-unit"])
+        "scanned-gpt-2x2-unit", "scanned-gpt-one-block-8x1-h100"])
 def test_predicted_collectives_match_the_compiled_module(workload, shape, costs):
   step, state, batch = workload()
   exe = jd.parallelize(step, method=jd.ShardParallel(devices=_mesh(shape, costs))).get_executable(

@@ -727,7 +727,23 @@ def _loop_regions(origins: list) -> list | None:
     kind, path = origin[0], origin[1]
     region = path[:-1] if kind == "eqn" else path + (origin[2],) if kind == "xs" else path[:-1]
     regions.append(region or None)
-  return regions if any_loop else None
+  if not any_loop:
+    return None
+  # A scan of one iteration is no loop once compiled (XLA inlines its body): its
+  # collectives combine with those around it (a one-block scanned GPT: predicted 2
+  # all-reduces where XLA compiled 1). (A conditional's branch is ``((i, b), 0)``.)
+  iterations: dict = {}
+  for region in regions:
+    while region and isinstance(region[-2], int):
+      iterations.setdefault(region[:-1], set()).add(region[-1])
+      region = region[:-2]
+
+  def outer(region):
+    while region and isinstance(region[-2], int) and len(iterations[region[:-1]]) == 1:
+      region = region[:-2]
+    return region or None
+
+  return [outer(region) if region else None for region in regions]
 
 
 def _plan_one(step: TracedStep, lmesh: LogicalMesh, opt: m.AutoShardingOption,

@@ -639,7 +639,7 @@ def _conv(eqn, cost_model: CostModel) -> list[Strategy]:
   for choice in itertools.product([None, "batch", "out", "in"], repeat=len(axes)):
     if (feature_groups > 1 and "in" in choice) or (batch_groups > 1 and "batch" in choice):
       continue
-    if groups % math.prod(sizes[a] for a, c in zip(axes, choice) if c == "out"):
+    if groups > 1 and groups % math.prod(sizes[a] for a, c in zip(axes, choice) if c == "out"):
       continue
     l = [[] for _ in ls]; r = [[] for _ in rs]; o = [[] for _ in _shape(out)]
     partial = []
