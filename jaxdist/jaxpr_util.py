@@ -264,6 +264,7 @@ def unroll_scans(closed: jex.ClosedJaxpr, long_scans: bool = False):
   eqns, origins, weights = [], [], []
 
   def emit(jaxpr, sub: dict, fresh: bool, path: tuple, weight: float = 1.0) -> None:
+    unread = _unread_in_body(jaxpr) if fresh else frozenset()
     for i, eqn in enumerate(jaxpr.eqns):
       invars = [v if isinstance(v, jex.Literal) else sub.get(v, v) for v in eqn.invars]
       if flattened(eqn):
@@ -275,7 +276,8 @@ def unroll_scans(closed: jex.ClosedJaxpr, long_scans: bool = False):
         continue
       outvars = eqn.outvars
       if fresh:
-        outvars = [o if isinstance(o, jex.DropVar) else jex.Var(o.aval) for o in outvars]
+        outvars = [o if isinstance(o, jex.DropVar) else
+                   jex.DropVar(o.aval) if o in unread else jex.Var(o.aval) for o in outvars]
         sub.update(zip(eqn.outvars, outvars))
       eqns.append(eqn.replace(invars=invars, outvars=outvars))
       origins.append(("eqn", path + (i,)))
@@ -287,6 +289,22 @@ def unroll_scans(closed: jex.ClosedJaxpr, long_scans: bool = False):
   jaxpr = jex.Jaxpr(constvars, closed.jaxpr.invars, outvars, eqns, closed.jaxpr.effects,
                     closed.jaxpr.debug_info)
   return jex.ClosedJaxpr(jaxpr, consts), origins, weights
+
+
+@functools.lru_cache(maxsize=256)
+def _unread_in_body(jaxpr) -> frozenset:
+  """The variables of a loop body or branch that nothing needs: read by no equation whose
+  results are needed, and no output of it (jax keeps some, a max's JVP residue in a while
+  loop's body; XLA removes them). Unrolled, they are dropped where they are made."""
+  needed = {v for v in jaxpr.outvars if not isinstance(v, jex.Literal)}
+  unread = set()
+  for eqn in reversed(jaxpr.eqns):
+    outs = [o for o in eqn.outvars if not isinstance(o, jex.DropVar)]
+    if eqn.effects or any(o in needed for o in outs):
+      needed.update(v for v in eqn.invars if not isinstance(v, jex.Literal))
+    else:
+      unread.update(outs)
+  return frozenset(unread)
 
 
 def _unrolled_scan(eqn, invars: list, path: tuple, emit: Callable, constvars: list,

@@ -988,6 +988,41 @@ def test_resharding_follows_what_xla_emits(src, dst, shape, mesh_shape):
   assert predicted == compiled
 
 
+def test_values_a_while_loop_s_body_leaves_unread_are_not_predicted():
+  """A fixed point iterated to convergence (``max |z' - z|`` over the batch): jax's
+  while body keeps the max's JVP residue, a count of the maxima that nothing reads.
+  XLA removes it; the plan had predicted its all-reduce (3 all-reduces, 2 compiled)."""
+  keys = jax.random.split(jax.random.key(0), 5)
+  batch = {"x": jax.random.normal(keys[0], (64, 16)), "y": jax.random.normal(keys[1], (64, 1))}
+  params = {"w": jax.random.normal(keys[2], (32, 32)) / 8,
+            "u": jax.random.normal(keys[3], (16, 32)) / 4,
+            "o": jax.random.normal(keys[4], (32, 1)) / 6}
+  tx = optax.adam(1e-2)
+  layer = lambda p, z, x: jnp.tanh(z @ p["w"] + x @ p["u"])
+
+  def step(state, batch):
+    params, opt_state = state
+
+    def loss_fn(p):
+      def body(carry):
+        z, i, _ = carry
+        new = layer(p, z, batch["x"])
+        return new, i + 1, jnp.max(jnp.abs(new - z))
+      z = jax.lax.while_loop(lambda c: (c[1] < 30) & (c[2] > 1e-5), body,
+                             (jnp.zeros((64, 32)), 0, jnp.inf))[0]
+      z = jax.checkpoint(layer)(p, jax.lax.stop_gradient(z), batch["x"])  # one-step gradient
+      return jnp.mean((z @ p["o"] - batch["y"]) ** 2)
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), loss
+
+  state = (params, tx.init(params))
+  exe = jd.parallelize(step, method=jd.ShardParallel(devices=_mesh((8,), H100))).get_executable(
+      state, batch)
+  assert_trees_close(exe(state, batch), jax.jit(step)(state, batch), rtol=1e-5, atol=1e-6)
+  _assert_predicted_as_compiled(exe)
+
+
 class _TwoConvs(nn.Module):
   @nn.compact
   def __call__(self, x):

@@ -385,7 +385,10 @@ def build_graph(jaxpr, cost_model: CostModel, input_choices: dict[int, list[DimA
       todo += sources.get(k, [])
   # Inside a loop an iteration's result feeds the next through the carry (and a while
   # loop's stand-in condition feeds nothing here), so only top-level equations are dead.
-  dead = frozenset(k for k in top_level if k not in live)
+  # (Anywhere, an equation whose results are all dropped: unread in its loop's body.)
+  dead = frozenset(k for k in top_level if k not in live) | frozenset(
+      k for k, node in enumerate(nodes) if node.eqn is not None and node.eqn.outvars
+      and all(isinstance(o, jex.DropVar) for o in node.eqn.outvars))
   graph = StrategyGraph(nodes, group_sizes, None, None, producer, tuple(unknown), flows,
                         dead=dead, _loop=loop,
                         outputs=tuple(producer[v][0] for v in jaxpr.outvars
