@@ -77,6 +77,30 @@ def test_abstract_inputs_estimate_as_concrete_ones():
   assert a.memory_per_device == b.memory_per_device and a.breakdown == b.breakdown
 
 
+def test_a_shard_plan_of_a_step_closing_over_an_array_is_estimated():
+  """A diffusion step reads its noise schedule, an array it closes over (a constant of
+  the jaxpr): the shard plan's estimate raised a TypeError looking for the input it came
+  from."""
+  schedule = jnp.cumprod(1 - jnp.linspace(1e-4, 0.02, 1000))
+  data = models.regression_batch(32, 64, out=64)
+  state = models.create_state(models.MLP(hidden=128, num_layers=3, out=64), data["x"],
+                              tx=optax.adam(1e-3))
+
+  def step(state, batch):
+    t = (jnp.arange(batch["x"].shape[0]) * 31) % 1000
+    a = schedule[t][:, None]
+    noisy = jnp.sqrt(a) * batch["x"] + jnp.sqrt(1 - a) * batch["y"]
+
+    def loss_fn(params):
+      return jnp.mean((state.apply_fn(params, noisy) - batch["y"]) ** 2)
+    loss, grads = jd.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  est = jd.estimate(step, state, data, method=jd.ShardParallel(logical_mesh_shape=(8,)),
+                    compile=True)
+  assert abs(est.memory_per_device / est.compiled["total"] - 1) <= 0.10, est.summary()
+
+
 def test_a_profile_calibrates_compute_time(tmp_path, monkeypatch):
   monkeypatch.setenv("JAXDIST_CACHE_DIR", str(tmp_path))
   step, state, batch = _mlp()

@@ -962,7 +962,8 @@ def hoisted_flows(jaxpr, graph: StrategyGraph, step: TracedStep, in_program) -> 
   sources = {}
   for flow in graph.flows:
     src, dst = graph.nodes[flow.src], graph.nodes[flow.dst]
-    if flow.tied or dst.eqn is None or not in_program(dst.eqn):
+    if (flow.tied or dst.eqn is None or not in_program(dst.eqn)
+        or (src.eqn is None and src.input_index is None)):  # (a constant of the jaxpr)
       continue
     v = jaxpr.invars[src.input_index] if src.eqn is None else src.eqn.outvars[flow.pos]
     sources.setdefault(v, []).append(flow)
