@@ -733,13 +733,14 @@ def _loop_regions(origins: list) -> list | None:
   # collectives combine with those around it (a one-block scanned GPT: predicted 2
   # all-reduces where XLA compiled 1). (A conditional's branch is ``((i, b), 0)``.)
   iterations: dict = {}
+  looped = lambda region: region is not None and len(region) >= 2 and isinstance(region[-2], int)
   for region in regions:
-    while region and isinstance(region[-2], int):
+    while looped(region):
       iterations.setdefault(region[:-1], set()).add(region[-1])
       region = region[:-2]
 
   def outer(region):
-    while region and isinstance(region[-2], int) and len(iterations[region[:-1]]) == 1:
+    while looped(region) and len(iterations[region[:-1]]) == 1:
       region = region[:-2]
     return region or None
 
