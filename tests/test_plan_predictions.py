@@ -1054,6 +1054,15 @@ def test_values_a_while_loop_s_body_leaves_unread_are_not_predicted():
   _assert_predicted_as_compiled(exe)
 
 
+def _classify(state, batch):
+  """A classifier's train step: cross-entropy of ``state.apply_fn`` on batch["x"] / ["y"]."""
+  def loss_fn(params):
+    logits = state.apply_fn(params, batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+  loss, grads = jax.value_and_grad(loss_fn)(state.params)
+  return state.apply_gradients(grads=grads), loss
+
+
 class _TwoConvs(nn.Module):
   @nn.compact
   def __call__(self, x):
@@ -1071,16 +1080,9 @@ def test_a_kernel_gathered_for_the_forward_is_reversed_locally_for_the_backward(
   batch = {"x": x, "y": jnp.arange(16) % 10}
   state = models.create_state(_TwoConvs(), x, tx=optax.sgd(0.1))
 
-  def step(state, batch):
-    def loss_fn(params):
-      logits = state.apply_fn(params, batch["x"])
-      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), loss
-
   option = jd.AutoShardingOption(partition_constraints={
       "state.params*Conv_1*kernel*": P(None, None, "mesh_0", None), "batch*": P("mesh_0")})
-  exe = jd.parallelize(step, method=jd.ShardParallel(
+  exe = jd.parallelize(_classify, method=jd.ShardParallel(
       devices=_mesh((8,), {}), auto_sharding_option=option)).get_executable(state, batch)
   assert exe.communication()["all-gather"].count == 1
   _assert_predicted_as_compiled(exe)
@@ -1110,15 +1112,8 @@ def test_depthwise_convolutions_split_the_batch(shape, costs):
   batch = {"x": x, "y": jnp.arange(16) % 10}
   state = models.create_state(_Depthwise(), x, tx=optax.adam(1e-3))
 
-  def train_step(state, batch):
-    def loss_fn(params):
-      logits = state.apply_fn(params, batch["x"])
-      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), loss
-
-  expected = jax.jit(train_step)(state, batch)
-  f = jd.parallelize(train_step, method=jd.ShardParallel(devices=_mesh(shape, costs)))
+  expected = jax.jit(_classify)(state, batch)
+  f = jd.parallelize(_classify, method=jd.ShardParallel(devices=_mesh(shape, costs)))
   exe = f.get_executable(state, batch)
   assert_trees_close(exe(state, batch), expected, rtol=1e-4, atol=1e-5)
   _assert_predicted_as_compiled(exe)
@@ -1144,16 +1139,9 @@ def test_depthwise_convolutions_split_their_groups():
   batch = {"x": x, "y": jnp.arange(2)}
   state = models.create_state(_WideDepthwise(), x, tx=optax.sgd(0.1))
 
-  def train_step(state, batch):
-    def loss_fn(params):
-      logits = state.apply_fn(params, batch["x"])
-      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), loss
-
-  f = jd.parallelize(train_step, method=jd.ShardParallel(devices=_mesh((2, 4), H100)))
+  f = jd.parallelize(_classify, method=jd.ShardParallel(devices=_mesh((2, 4), H100)))
   exe = f.get_executable(state, batch)
-  assert_trees_close(exe(state, batch), jax.jit(train_step)(state, batch), rtol=1e-4, atol=1e-5)
+  assert_trees_close(exe(state, batch), jax.jit(_classify)(state, batch), rtol=1e-4, atol=1e-5)
   _assert_predicted_as_compiled(exe)
   plan = f.planned(state, batch).shard_plan.mesh_plan
   grouped = [n.strategies[plan.solution.choice[n.group]].name for n in plan.graph.nodes
