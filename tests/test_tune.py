@@ -171,6 +171,14 @@ def test_the_guide_walks_every_stage_in_order(monkeypatch):
                      "PipeshardParallel(layers=4, stages=4, k=4)",
                      "PipeshardParallel(layers=4, stages=auto, k=4)"]
   assert all(t.status == "skipped" for t in report.trials if t.name in skipped)
+  # Nothing compiled: accumulation runs on DataParallel, and its trials say so (they
+  # were named "k=2", "k=4", "k=8").
+  seen.clear()
+  monkeypatch.setattr(walk._Walk, "_trial", lambda self, name, method: (
+      seen.append(name), jd.Trial(name, method, "error"))[1])
+  jd.tune(lambda s, b: (s, b), {}, {}, progress=False)
+  assert [n for n in seen if "k=" in n and "Pipeshard" not in n] == [
+      "DataParallel k=2", "DataParallel k=4", "DataParallel k=8"]
 
 
 def test_jaxdist_tune_command(tmp_path, capsys):

@@ -182,7 +182,7 @@ def _guide(walk, devices):
           min(compiled, key=lambda t: t.memory_bytes) if compiled else None)
   for k in MICRO_BATCHES:
     if base is None:
-      yield f"k={k}", m.DataParallel(devices=devices, num_micro_batches=k)
+      yield f"DataParallel k={k}", m.DataParallel(devices=devices, num_micro_batches=k)
       continue
     origin = walk.origin[base.name]
     yield f"{base.name} k={k}", dataclasses.replace(origin, num_micro_batches=k)
