@@ -89,10 +89,11 @@ def check_batch_divisible(step: TracedStep, parts: int, what: str) -> None:
           f"its own.")
     if leaf.shape[0] % parts:
       other = next((o for o in step.inputs if o.role == BATCH and o.shape
-                    and o.shape[0] % leaf.shape[0]), None)
+                    and o.shape[0] != leaf.shape[0]), None)
       hint = (f"the batch's other leaves (such as {other.path}, dim 0 = {other.shape[0]}) are "
               f"split on dim 0 as examples too: if it holds no row per example (a per-class "
-              f"table), pass it as an argument of its own; else " if other is not None else "")
+              f"table, a random key's data), pass it as an argument of its own; else "
+              if other is not None else "")
       raise errors.BatchDivisibilityError(
           f"batch argument leaf {leaf.path} has shape {leaf.shape}: dim 0 = {leaf.shape[0]} "
           f"does not divide over {what} ({parts}); {hint}use a batch size that is a multiple "

@@ -85,6 +85,18 @@ def test_batch_that_does_not_divide_over_devices():
     jd.parallelize(models.regression_step(), method=jd.DataParallel())(state, batch)
 
 
+def test_a_leaf_with_no_row_per_example_in_the_batch_is_named():
+  """A random key's data put in the batch dict (shape (2,) beside 64 examples) is split
+  as examples too: the error says that it can be an argument of its own (it said only
+  "use a batch size that is a multiple of 8")."""
+  state, batch = _state()
+  batch = {**batch, "key": jax.random.key_data(jax.random.key(0))}
+  with pytest.raises(errors.BatchDivisibilityError,
+                     match=r"batch\['key'\].*\(2,\).*such as batch\['x'\], dim 0 = 64.*random "
+                           r"key's data.*argument of its own"):
+    jd.parallelize(models.regression_step(), method=jd.DataParallel())(state, batch)
+
+
 def test_a_step_that_takes_the_batch_size_as_a_constant():
   """A step that reshapes its batch to a size written in it traces on the whole batch
   only (it raised a bare TypeError from jax's reshape): DataParallel runs it as one
