@@ -40,14 +40,14 @@ from jaxdist.grad import GRAD
 from jaxdist.liveness import Timeline
 from jaxdist.mesh import LogicalMesh, device_costs
 from jaxdist.shard.cost import CostModel, combining_for
+from jaxdist.shard.graph import REARRANGING
 from jaxdist.shard.specs import from_partition_spec, num_shards
 from jaxdist.shard.strategies import ELEMENTWISE, REDUCTIONS, nbytes
 from jaxdist.trace import BATCH, INPUT, OPTIMIZER, PARAM, gc_paused, with_micro_batch_trace
 
 ROLE_KEYS = {PARAM: "params", OPTIMIZER: "optimizer", BATCH: "batch"}
 # Equations a gradient passes through unchanged but for its layout, or summed with another.
-PASSING_GRADIENTS = frozenset({"reshape", "transpose", "convert_element_type", "copy", "copy_p",
-                               "squeeze", "expand_dims", "add_any"})
+PASSING_GRADIENTS = REARRANGING | {"reshape", "squeeze", "expand_dims", "add_any"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -617,7 +617,7 @@ def fixed_layout_collectives(method, traced, layout, lmesh):
     # (an aux output with a batch dimension is concatenated where it is, not reduced)
     # (a gradient XLA computes once for several leaves, or a constant one, moves once or
     # not at all)
-    distinct = _distinct_values(traced.closed_jaxpr.jaxpr, marker.invars)
+    distinct = _distinct_values(traced.closed_jaxpr.jaxpr, traced.marker_index, marker.invars)
     reduced = [moved(nbytes(v), v.aval.dtype) for v, s, rows, kept, once in
                zip(marker.invars, layout.grad_reduce_specs, per_example_outputs(traced),
                    reduced_outputs(traced), distinct)
@@ -651,8 +651,9 @@ def fixed_layout_collectives(method, traced, layout, lmesh):
   return out
 
 
-def _distinct_values(jaxpr, values) -> list[bool]:
-  """Per value, whether XLA computes it as a value of its own: not a constant (the zero
+def _distinct_values(jaxpr, end: int, values) -> list[bool]:
+  """Per value (made by the equations before ``end``), whether XLA computes it as a
+  value of its own: not a constant (the zero
   gradient of a parameter the loss does not read) and not the same computation of the
   same inputs as an earlier one (XLA's CSE: the biases of a WaveNet's skip connections,
   all summed into one output, get the same gradient; their reduce-scatters were 6
@@ -666,7 +667,7 @@ def _distinct_values(jaxpr, values) -> list[bool]:
   for v in jaxpr.invars:
     key[v] = ("input", id(v))
   atom = lambda v: ("literal", repr(v.val)) if isinstance(v, jex.Literal) else key[v]
-  for eqn in jaxpr.eqns:
+  for eqn in jaxpr.eqns[:end]:
     operands = tuple(atom(v) for v in eqn.invars)
     made = (eqn.primitive.name, repr(sorted(
         (name, id(p) if isinstance(p, (jex.ClosedJaxpr, jex.Jaxpr)) else p)

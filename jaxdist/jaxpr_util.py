@@ -296,15 +296,10 @@ def _unread_in_body(jaxpr) -> frozenset:
   """The variables of a loop body or branch that nothing needs: read by no equation whose
   results are needed, and no output of it (jax keeps some, a max's JVP residue in a while
   loop's body; XLA removes them). Unrolled, they are dropped where they are made."""
-  needed = {v for v in jaxpr.outvars if not isinstance(v, jex.Literal)}
-  unread = set()
-  for eqn in reversed(jaxpr.eqns):
-    outs = [o for o in eqn.outvars if not isinstance(o, jex.DropVar)]
-    if eqn.effects or any(o in needed for o in outs):
-      needed.update(v for v in eqn.invars if not isinstance(v, jex.Literal))
-    else:
-      unread.update(outs)
-  return frozenset(unread)
+  needed = needed_eqns(jaxpr, [*jaxpr.outvars, *(v for e in jaxpr.eqns if e.effects
+                                                  for v in e.invars)])
+  return frozenset(o for i, eqn in enumerate(jaxpr.eqns) if i not in needed and not eqn.effects
+                   for o in eqn.outvars if not isinstance(o, jex.DropVar))
 
 
 def _unrolled_scan(eqn, invars: list, path: tuple, emit: Callable, constvars: list,
