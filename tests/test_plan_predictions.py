@@ -523,6 +523,29 @@ def test_a_metric_of_the_per_example_aux_combines_with_the_gradients_reduction()
   _assert_predicted_as_compiled(exe)
 
 
+def test_aux_terms_the_loss_sums_are_reduced_with_the_gradients():
+  """A loss summed from terms it also returns (PPO's policy and value losses): inside the
+  micro-batch loop the sum reads the terms unreduced, so their reductions after the loop
+  wait for nothing and XLA combines them with the gradients' (predicted 2 before)."""
+  data = models.regression_batch(32, 64, out=64)
+  state = models.create_state(models.MLP(hidden=64, num_layers=3, out=64), data["x"],
+                              tx=optax.sgd(0.1))
+
+  def step(state, batch):
+    def loss_fn(params):
+      pred = state.apply_fn(params, batch["x"])
+      mse, size = jnp.mean((pred - batch["y"]) ** 2), jnp.mean(pred ** 2)
+      return mse + 0.1 * size, (mse, size)
+
+    (loss, (mse, size)), grads = jd.value_and_grad(loss_fn, has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss, "mse": mse, "size": size}
+
+  method = jd.ShardParallel(devices=_mesh((2, 4), H100), num_micro_batches=2)
+  exe = jd.parallelize(step, method=method).get_executable(state, data)
+  assert exe.communication()["all-reduce"].count == 1, exe.check_communication()
+  _assert_predicted_as_compiled(exe)
+
+
 def test_a_codebook_s_usage_counts_from_the_aux_are_reduced_with_the_gradients():
   """A VQ layer's codebook follows EMAs of its usage counts and of the codes' sums, made
   after the gradient from the per-example assignments (aux): DataParallel sums them per

@@ -158,7 +158,8 @@ def predict(graph, choice, cost_model: CostModel,
             repeat=lambda node, kind, axes: 1,
             axes_of=lambda node, axes: axes,
             at_source=lambda node: False, batch_axes=None,
-            extra=(), held=lambda flow: None) -> dict[str, dict[str, float]]:
+            extra=(), held=lambda flow: None,
+            after_extra=lambda node: True) -> dict[str, dict[str, float]]:
   """kind → {"count", "result_bytes"} per step of a solved plan, combined as XLA does.
 
   ``count`` is, per kind and mesh axes, the ops XLA's combiner makes of them (where XLA
@@ -217,12 +218,15 @@ def predict(graph, choice, cost_model: CostModel,
           weight[k] += 1 if is_late else repeat(k, kind, axes)
         for k in {k for k, _, is_late in members if is_late}:
           weight[k] -= sum(is_late for j, _, is_late in members if j == k) - 1
+        # (a read of a node's value that is not reduced there yet does not wait for it)
+        unwaited = lambda p, pos, k: p in late and (pos not in late[p] or not after_extra(k))
         chain = np.zeros(len(graph.nodes), dtype=np.int64)
         for k in range(len(graph.nodes)):
-          chain[k] = max((chain[p] - (p in late and pos not in late[p]) for p, pos in preds[k]),
+          chain[k] = max((chain[p] - unwaited(p, pos, k) for p, pos in preds[k]),
                          default=0) + weight[k]
         count += graph.nodes[members[0][0]].weight * max(
-            int(chain.max()), _greedy_groups({k for k, _, _ in members}, preds, order()),
+            int(chain.max()),
+            _greedy_groups({k for k, _, _ in members}, preds, order(), unwaited),
             math.ceil(sum(b for _, b, _ in members) / combining.threshold_bytes),
             math.ceil(len(members) / combining.threshold_count))
     else:
@@ -267,17 +271,19 @@ def _post_order(preds, outputs, n: int) -> list[int]:
   return order
 
 
-def _greedy_groups(members: set, preds, order: list[int]) -> int:
+def _greedy_groups(members: set, preds, order: list[int],
+                   unwaited=lambda p, pos, k: False) -> int:
   """The combined ops XLA's combiner makes of ``members`` (node indices): it walks them
   in post order and starts a new op at each one that depends on a member of the op it is
-  filling."""
+  filling (``unwaited(p, pos, k)``: ``k`` reads ``p``'s output ``pos`` without waiting
+  for ``p``'s collective)."""
   depends = [-1] * len(order)  # per node, the latest op it depends on a member of
   op_of: dict = {}
   ops = 0
   for k in order:
     d = -1
-    for p, _ in preds[k]:
-      d = max(d, depends[p], op_of.get(p, -1))
+    for p, pos in preds[k]:
+      d = max(d, depends[p], -1 if unwaited(p, pos, k) else op_of.get(p, -1))
     depends[k] = d
     if k in members:
       if ops == 0 or d == ops - 1:  # it waits on the op being filled: a new op

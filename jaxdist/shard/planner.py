@@ -564,7 +564,7 @@ def _micro_batch_predictions(step: TracedStep, plan: MeshPlan, layout: Layout, k
       graph, choice, cost_model,
       repeat=lambda node, kind, axes: k if inside(node) and node in varies else 1,
       axes_of=axes_of, at_source=lambda node: node not in varies, batch_axes=layout.batch_axes,
-      extra=late, held=held)
+      extra=late, held=held, after_extra=lambda node: not inside(node))
 
   def add(kind, count, result_bytes):
     entry = predicted.setdefault(kind, {"count": 0, "result_bytes": 0.0})
