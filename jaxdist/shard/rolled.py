@@ -103,12 +103,27 @@ def rolled_fn(rolled: Rolled, mesh):
         if not isinstance(v, jex.DropVar):
           env[v] = x
 
+  def carried(body, carry, here):
+    """``carry`` constrained as the loop body makes it: each value the body computes
+    for the next iteration has its equation's constraint, and the loop carries it so (left
+    to XLA, a GRU's hidden state, planned gathered, was carried split and gathered anew in
+    every iteration: 24 all-gathers the plan did not have)."""
+    made = {o: (j, pos) for j, e in enumerate(body.eqns) for pos, o in enumerate(e.outvars)}
+    out = []
+    for x, v in zip(carry, body.outvars):
+      j, pos = made.get(v, (None, None)) if not isinstance(v, jex.Literal) else (None, None)
+      wanted = shardings.get(("out", here + (j,))) if j is not None else None
+      out.append(x if wanted is None or wanted[pos] is None
+                 else jax.lax.with_sharding_constraint(x, wanted[pos]))
+    return out
+
   def scan(eqn, invals, here):
     p = eqn.params
     body, n_consts, n_carry = p["jaxpr"], p["num_consts"], p["num_carry"]
     consts = invals[:n_consts]
 
     def step(carry, xs):
+      carry = carried(body.jaxpr, carry, here)
       xs = [one(x, ("xs", here, q)) for q, x in enumerate(xs)]
       env = dict(zip(body.jaxpr.constvars, body.consts))
       env.update(zip(body.jaxpr.invars, [*consts, *carry, *xs]))
@@ -117,7 +132,8 @@ def rolled_fn(rolled: Rolled, mesh):
       return outs[:n_carry], outs[n_carry:]
 
     with eqn.ctx.manager:
-      carry, ys = jax.lax.scan(step, invals[n_consts:n_consts + n_carry],
+      carry, ys = jax.lax.scan(step, carried(body.jaxpr, invals[n_consts:n_consts + n_carry],
+                                             here),
                                invals[n_consts + n_carry:], length=p["length"],
                                reverse=p["reverse"], unroll=p["unroll"])
     return [*carry, *(one(y, ("ys", here, q)) for q, y in enumerate(ys))]
@@ -129,6 +145,7 @@ def rolled_fn(rolled: Rolled, mesh):
 
     def body_fn(carry):
       body = p["body_jaxpr"]
+      carry = carried(body.jaxpr, carry, here)
       env = dict(zip(body.jaxpr.constvars, body.consts))
       env.update(zip(body.jaxpr.invars, [*body_consts, *carry]))
       evaluate(body.jaxpr, env, here)
@@ -142,7 +159,8 @@ def rolled_fn(rolled: Rolled, mesh):
       return jaxpr_util.read(env, closed.jaxpr.outvars[0])
 
     with eqn.ctx.manager:
-      return list(jax.lax.while_loop(cond_fn, body_fn, list(invals[n_cond + n_body:])))
+      return list(jax.lax.while_loop(cond_fn, body_fn, carried(
+          p["body_jaxpr"].jaxpr, list(invals[n_cond + n_body:]), here)))
 
   def cond(eqn, invals, here):
     def branch(b, closed):
