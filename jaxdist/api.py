@@ -27,7 +27,7 @@ from jaxdist.pipeline import capture
 from jaxdist.pipeline import spmd
 from jaxdist.pipeline.runtime import PipelineExecutable, loss_equation
 from jaxdist.recompute import RecomputeRequest, recomputing
-from jaxdist.shard.planner import plan_shard_parallel
+from jaxdist.shard.planner import plan_shard_parallel, recursion_batch
 from jaxdist.trace import (PARAM, TracedStep, gc_paused, is_array, leaf_signature, trace_step,
                            with_micro_batch_trace)
 
@@ -561,9 +561,10 @@ class ParallelizedFunc:
     inline = jaxpr_util.PLAN_INLINE if isinstance(method, m.ShardParallel) else ()
     # (the planner ties recomputations in loops where the step compiles them unrolled)
     tie = isinstance(method, m.ShardParallel) and (method.num_micro_batches or 1) > 1
+    batch = recursion_batch(step, method.num_micro_batches or 1) if tie else None
     traced = step
     retrace = functools.cache(lambda divisor: with_micro_batch_trace(
-        self.fun, args, static, traced, divisor, inline, tie))
+        self.fun, args, static, traced, divisor, inline, tie, batch))
     if isinstance(method, m.ShardParallel):
       shard_plan = plan_shard_parallel(method, step, lmesh,
                                        micro_trace=lambda d: retrace(d).micro_jaxpr)

@@ -369,13 +369,14 @@ def _one_usable_gradient(closed, flat_args, is_batch) -> bool:
 
 def with_micro_batch_trace(fun, args, static_argnums: tuple[int, ...], step: TracedStep,
                            divisor: int, inline: tuple[str, ...] = (),
-                           tie_in_loops: bool = False) -> TracedStep:
+                           tie_in_loops: bool = False,
+                           batch: frozenset[int] | None = None) -> TracedStep:
   """``step`` plus the trace of ``fun`` on batch leaves of dim 0 / ``divisor``.
 
   ``inline``: call primitives to inline in the micro-batch trace, so that its equations
   line up with a step whose jaxpr was inlined the same way (the shard planner's);
   ``tie_in_loops``: its recomputations in loops tied too, as that step's were
-  (``recompute.tie_recomputations``).
+  (``recompute.tie_recomputations``); ``batch``: as ``jaxpr_util.inline_calls``'s.
   """
   dyn_argnums = tuple(i for i in range(len(args)) if i not in static_argnums)
   leaves = tree_util.tree_leaves(tuple(args[i] for i in dyn_argnums))
@@ -399,13 +400,13 @@ def with_micro_batch_trace(fun, args, static_argnums: tuple[int, ...], step: Tra
   if tie_in_loops:
     closed = tie_recomputations(closed, in_loops=True)
   if inline:
-    closed, marker_index = inline_keeping_marker(closed, inline)
+    closed, marker_index = inline_keeping_marker(closed, inline, batch)
   return dataclasses.replace(step, micro_jaxpr=closed, micro_marker_index=marker_index)
 
 
-def inline_keeping_marker(closed, inline: tuple[str, ...]):
+def inline_keeping_marker(closed, inline: tuple[str, ...], batch=None):
   """``closed`` with ``inline`` calls inlined; returns it and its single marker's index."""
-  closed = jaxpr_util.inline_calls(closed, inline)
+  closed = jaxpr_util.inline_calls(closed, inline, batch)
   found = jaxpr_util.find_eqns(closed.jaxpr, grad_marker_p.name)
   return closed, (found[0] if len(found) == 1 else None)
 

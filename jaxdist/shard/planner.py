@@ -189,10 +189,11 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
   # With micro-batches the step compiles with its scans unrolled (below): a recomputation
   # in a scan body must then wait for its cotangent as one at the top level does.
   tie_loops = tie_loops or k > 1
+  batch = recursion_batch(step, k)
   rolled_jaxpr, inlined, origins, weights = jaxpr_util.rolled_and_unrolled(
       tie_recomputations(step.closed_jaxpr, in_loops=True) if tie_loops
-      else step.closed_jaxpr, long_scans)
-  loops = _control_flow(rolled_jaxpr, long_scans)
+      else step.closed_jaxpr, long_scans, batch)
+  loops = _control_flow(rolled_jaxpr, long_scans, jaxpr_util.recursions(rolled_jaxpr, batch))
   stand_ins = long_scans and any(kind not in ("short", "cond") for kind in loops)
   weights = weights if stand_ins else None
   pairs = _stand_in_pairs(origins, weights) if stand_ins else ()
@@ -410,16 +411,28 @@ def _stand_in_pairs(origins: list, weights: list) -> list[tuple[int, int]]:
   return [tuple(c) for c in copies.values() if len(c) == 2]
 
 
-def _control_flow(rolled: jex.ClosedJaxpr, stand_ins: bool) -> collections.Counter:
+def recursion_batch(step: TracedStep, num_micro_batches: int) -> frozenset[int] | None:
+  """The batch inputs by which ``jaxpr_util.recursions`` tells the loops over time that
+  are left rolled, where the step compiles unrolled (with micro-batches); else None."""
+  if num_micro_batches <= 1:
+    return None
+  return frozenset(i for i, leaf in enumerate(step.inputs) if leaf.role == BATCH)
+
+
+def _control_flow(rolled: jex.ClosedJaxpr, stand_ins: bool,
+                  kept: frozenset[int] = frozenset()) -> collections.Counter:
   """The loops and conditionals of ``rolled`` (the step with calls inlined) the planner
   sees, by kind: ``"short"`` scans (unrolled), ``"cond"``, ``"scan of N iterations"``
-  and ``"while"`` (on stand-ins if ``stand_ins``, else left to XLA with their bodies)."""
+  and ``"while"`` (on stand-ins if ``stand_ins``, else left to XLA with their bodies),
+  and ``"recursion of N steps"`` (the top-level scans ``kept`` rolled)."""
   counts = collections.Counter()
 
-  def walk(jaxpr):
-    for e in jaxpr.eqns:
+  def walk(jaxpr, top=False):
+    for i, e in enumerate(jaxpr.eqns):
       name = e.primitive.name
-      if name == "scan":
+      if name == "scan" and top and i in kept:
+        counts[f"recursion of {e.params['length']} steps"] += 1
+      elif name == "scan":
         n = e.params["length"]
         counts["short" if n <= jaxpr_util.MAX_UNROLLED_SCAN else f"scan of {n} iterations"] += 1
         if n <= jaxpr_util.MAX_UNROLLED_SCAN or stand_ins:
@@ -433,7 +446,7 @@ def _control_flow(rolled: jex.ClosedJaxpr, stand_ins: bool) -> collections.Count
         if stand_ins:
           walk(e.params["body_jaxpr"].jaxpr)
 
-  walk(rolled.jaxpr)
+  walk(rolled.jaxpr, top=True)
   return counts
 
 
@@ -448,6 +461,13 @@ def _loop_notes(counts: collections.Counter, stand_ins: bool) -> list[str]:
   if n := counts.pop("cond", 0):
     notes.append(f"{n} conditional(s) planned branch by branch (each branch's work is priced; "
                  f"one runs), their outputs in one layout whichever branch runs")
+  recursions = {k: counts.pop(k) for k in list(counts) if k.startswith("recursion")}
+  if recursions:
+    notes.append("with micro-batches the step compiles unrolled, but these loops over time "
+                 f"(more than {jaxpr_util.MAX_UNROLLED_RECURSION} steps, scanning no "
+                 "stacked weights) stay loops that XLA places, planned replicated: unrolled, XLA's "
+                 "compile time grows faster than their steps: "
+                 + ", ".join(f"{n} x {k}" for k, n in recursions.items()))
   loops = ", ".join(f"{n} x {k}" for k, n in counts.items())
   if loops and stand_ins:
     notes.append("planned on two of their iterations, each weighted by half the length (a "
@@ -1087,6 +1107,19 @@ def layout_of(step: TracedStep, plan: MeshPlan, num_micro_batches: int = 1) -> L
       if specs[flow.operand] is None:
         specs[flow.operand] = to_partition_spec(
             src.strategies[choice[src.group]].out_specs[flow.pos])
+  # With micro-batches a top-level scan is a loop over time left rolled (see
+  # ``jaxpr_util.recursions``), planned replicated: pinned so, operands and results, or
+  # XLA partitions its body after its readers (a GRU's, split over the micro-batch's
+  # examples, all-reduced its kernels' gradients in every backward step: 51 all-reduces
+  # compiled, 3 predicted).
+  if num_micro_batches > 1:
+    for node in graph.nodes:
+      if node.eqn is not None and node.eqn.primitive.name == "scan":
+        strategy = node.strategies[choice[node.group]]
+        i = eqn_index[id(node.eqn)]
+        constraints[i] = tuple(to_partition_spec(s) for s in strategy.out_specs)
+        operands[i] = [None if isinstance(v, jex.Literal) else to_partition_spec(s)
+                       for v, s in zip(node.eqn.invars, strategy.in_specs)]
   operand_constraints = {i: tuple(specs) for i, specs in operands.items()}
   batch_axes, reduce_specs = plan.lmesh.axis_names, None
   if num_micro_batches > 1:
