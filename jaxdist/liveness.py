@@ -164,6 +164,7 @@ class Timeline:
           sliced[key] = outs[0]
     outputs = {self.buffer_of(v) for v in jaxpr.outvars if not isinstance(v, jex.Literal)}
     unstacked = self._slices_of_stacks(bitcast, outputs) if unrolled else set()
+    stacked = self._stacks_written_by_loops(regions, last) if regions is not None else {}
     # A fused result is recomputed inside each reader's fusion: its operands stay live
     # until its last reader (walked backwards, so chains of fused values carry through).
     static = _static(self.eqns, jaxpr.constvars)
@@ -221,7 +222,7 @@ class Timeline:
           continue
         self._owner[o] = b
         end[b] = max(end.get(o, i), i)
-    start: dict = {}  # a buffer written before the value naming it is made
+    start: dict = dict(stacked)  # a buffer written before the value naming it is made
     if regions is not None:
       # A conditional compiled as one, its branches written out and each output a
       # select_n of theirs: a branch writes its result into the conditional's output
@@ -264,6 +265,49 @@ class Timeline:
         self.buffers[o] = [start.get(o, i), max(end.get(o, i), i), size(o)]
     if platform == "cpu":
       self._make_input_only_values_early(static, inputs - set(late_inputs))
+
+  def _stacks_written_by_loops(self, regions, last) -> dict:
+    """A concatenation of values made in different iterations of a loop (the stacked
+    results of a scan planned unrolled and compiled as a loop) is the loop's output
+    buffer, written slot by slot as the loop runs: its reads of the values do not keep
+    them alive, and a value nothing else reads is written into its slot (its buffer is
+    the stack's). Only stacks of values read elsewhere too (a loop's carry, stacked as
+    residuals). Returns each stack's start, its first value's position. Measured on a
+    decoder writing a KV cache in a 32-step ``fori_loop``: each step's cache, read by the
+    next step and stacked for the backward, counted until the stack was made, made the
+    estimate 1.18x of XLA's bytes."""
+    made_at = {o: i for i, (_, _, outs) in enumerate(self.eqns) for o in outs}
+    reads: dict = {}
+    for i, (_, ins, _) in enumerate(self.eqns):
+      for v in ins:
+        reads.setdefault(v, []).append(i)
+    starts = {}
+    for j, (eqn, ins, outs) in enumerate(self.eqns):
+      if eqn.primitive.name != "concatenate" or len(ins) < 2:
+        continue
+      roots = [self._root(v) for v in ins]
+      if not all(r in made_at for r in roots):
+        continue
+      where = [regions(self.eqns[made_at[r]][0]) for r in roots]
+      if None in where or len(set(where)) < len(where) or regions(eqn) in where:
+        continue
+      if not any(len(reads.get(r, ())) > 1 for r in roots):
+        # (values only stacked stay as they were counted, alive to the stack: a scanned
+        # GPT's weight gradients written so from the backward loop's start made its
+        # estimate 1.10x of XLA's bytes, 0.97x counted piece by piece)
+        continue
+      for v, r in zip(ins, roots):
+        slot = {j}  # the stack and the reshapes making its slot of r
+        u = v
+        while u is not r:
+          slot.add(made_at[u])
+          u = self._owner.get(u, r)
+        for u in {v, r}:
+          last[u] = max((i for i in reads.get(u, ()) if i not in slot), default=made_at[r])
+        if all(i in slot for i in reads.get(r, ())):
+          self._owner[r] = outs[0]
+      starts[outs[0]] = min(made_at[r] for r in roots)
+    return starts
 
   def _slices_of_stacks(self, bitcast, outputs) -> set:
     """A concatenation that every reader slices one operand back out of (an unrolled
