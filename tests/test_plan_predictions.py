@@ -499,23 +499,18 @@ def test_a_token_count_is_reduced_with_the_gradients(method):
   _assert_predicted_as_compiled(exe)
 
 
-def test_a_metric_of_the_per_example_aux_combines_with_the_gradients_reduction():
-  """With micro-batches the gradients are reduced after the loop; a metric computed from
-  the per-example aux (an error over the batch) needs no gradient, so XLA combines its
-  all-reduce with theirs: predicted 2 all-reduces before (the metric's own op counted
-  apart), compiled 1."""
+def _reduced_once_after_the_loop(loss_fn, outputs):
+  """A regression step whose ``loss_fn(state, params, batch)`` has aux, returning
+  ``outputs(loss, aux, batch)``, planned data parallel on 2x4 with 2 micro-batches:
+  one all-reduce, predicted so."""
   data = models.regression_batch(32, 64, out=64)
   state = models.create_state(models.MLP(hidden=64, num_layers=3, out=64), data["x"],
                               tx=optax.sgd(0.1))
 
   def step(state, batch):
-    def loss_fn(params):
-      pred = state.apply_fn(params, batch["x"])
-      return jnp.mean((pred - batch["y"]) ** 2), pred
-
-    (loss, pred), grads = jd.value_and_grad(loss_fn, has_aux=True)(state.params)
-    error = jnp.abs(pred - batch["y"]).mean()
-    return state.apply_gradients(grads=grads), {"loss": loss, "error": error}
+    (loss, aux), grads = jd.value_and_grad(
+        lambda params: loss_fn(state, params, batch), has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads), outputs(loss, aux, batch)
 
   method = jd.ShardParallel(devices=_mesh((2, 4), H100), num_micro_batches=2)  # data parallel
   exe = jd.parallelize(step, method=method).get_executable(state, data)
@@ -523,27 +518,30 @@ def test_a_metric_of_the_per_example_aux_combines_with_the_gradients_reduction()
   _assert_predicted_as_compiled(exe)
 
 
+def test_a_metric_of_the_per_example_aux_combines_with_the_gradients_reduction():
+  """With micro-batches the gradients are reduced after the loop; a metric computed from
+  the per-example aux (an error over the batch) needs no gradient, so XLA combines its
+  all-reduce with theirs: predicted 2 all-reduces before (the metric's own op counted
+  apart), compiled 1."""
+  def loss_fn(state, params, batch):
+    pred = state.apply_fn(params, batch["x"])
+    return jnp.mean((pred - batch["y"]) ** 2), pred
+
+  _reduced_once_after_the_loop(loss_fn, lambda loss, pred, batch: {
+      "loss": loss, "error": jnp.abs(pred - batch["y"]).mean()})
+
+
 def test_aux_terms_the_loss_sums_are_reduced_with_the_gradients():
   """A loss summed from terms it also returns (PPO's policy and value losses): inside the
   micro-batch loop the sum reads the terms unreduced, so their reductions after the loop
   wait for nothing and XLA combines them with the gradients' (predicted 2 before)."""
-  data = models.regression_batch(32, 64, out=64)
-  state = models.create_state(models.MLP(hidden=64, num_layers=3, out=64), data["x"],
-                              tx=optax.sgd(0.1))
+  def loss_fn(state, params, batch):
+    pred = state.apply_fn(params, batch["x"])
+    mse, size = jnp.mean((pred - batch["y"]) ** 2), jnp.mean(pred ** 2)
+    return mse + 0.1 * size, (mse, size)
 
-  def step(state, batch):
-    def loss_fn(params):
-      pred = state.apply_fn(params, batch["x"])
-      mse, size = jnp.mean((pred - batch["y"]) ** 2), jnp.mean(pred ** 2)
-      return mse + 0.1 * size, (mse, size)
-
-    (loss, (mse, size)), grads = jd.value_and_grad(loss_fn, has_aux=True)(state.params)
-    return state.apply_gradients(grads=grads), {"loss": loss, "mse": mse, "size": size}
-
-  method = jd.ShardParallel(devices=_mesh((2, 4), H100), num_micro_batches=2)
-  exe = jd.parallelize(step, method=method).get_executable(state, data)
-  assert exe.communication()["all-reduce"].count == 1, exe.check_communication()
-  _assert_predicted_as_compiled(exe)
+  _reduced_once_after_the_loop(loss_fn, lambda loss, aux, batch: {
+      "loss": loss, "mse": aux[0], "size": aux[1]})
 
 
 def test_a_codebook_s_usage_counts_from_the_aux_are_reduced_with_the_gradients():
@@ -1212,14 +1210,13 @@ class _CarriedGRULM(nn.Module):
     return h, nn.Dense(64)(ys)
 
 
-def test_a_loop_carries_its_state_as_the_plan_makes_it():
+def _tbptt(tx, batch_size, steps, value_and_grad):
   """Truncated backpropagation through time: a GRU's hidden state comes in and goes out
-  (an argument of its own), the scan compiles as a loop. The plan computes each new state
-  gathered over "mesh_1"; left to XLA, the loop carried it split and gathered it anew in
-  every time step (18 all-gathers compiled where the plan had 4)."""
-  model, tx = _CarriedGRULM(), optax.adam(1e-3)
-  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (8, 13)), jnp.int32)
-  h = 0.1 * jax.random.normal(jax.random.key(0), (8, 64))
+  (an argument of its own). Returns the step and its arguments."""
+  model = _CarriedGRULM()
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (batch_size, steps + 1)),
+                       jnp.int32)
+  h = 0.1 * jax.random.normal(jax.random.key(0), (batch_size, 64))
   params = model.init(jax.random.key(1), h, tokens[:, :-1])
 
   def step(state, h, batch):
@@ -1230,11 +1227,18 @@ def test_a_loop_carries_its_state_as_the_plan_makes_it():
       return optax.softmax_cross_entropy_with_integer_labels(
           logits, batch["tokens"][:, 1:]).mean(), h2
 
-    (loss, h2), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    (loss, h2), grads = value_and_grad(loss_fn, has_aux=True)(params)
     updates, opt = tx.update(grads, opt, params)
     return (optax.apply_updates(params, updates), opt), h2, loss
 
-  args = ((params, tx.init(params)), h, {"tokens": tokens})
+  return step, ((params, tx.init(params)), h, {"tokens": tokens})
+
+
+def test_a_loop_carries_its_state_as_the_plan_makes_it():
+  """The GRU's scan compiles as a loop. The plan computes each new state gathered over
+  "mesh_1"; left to XLA, the loop carried it split and gathered it anew in every time
+  step (18 all-gathers compiled where the plan had 4)."""
+  step, args = _tbptt(optax.adam(1e-3), 8, 12, jax.value_and_grad)
   exe = jd.parallelize(step, method=jd.ShardParallel(devices=_mesh((2, 4), {})),
                        batch_argnums=(1, 2)).get_executable(*args)
   assert_trees_close(exe(*args), jax.jit(step)(*args), rtol=1e-4, atol=1e-5)
@@ -1246,24 +1250,7 @@ def test_a_loop_over_time_left_rolled_is_pinned_as_planned():
   ``jaxpr_util.recursions``), planned replicated. Left to XLA, its body was split over
   the micro-batch's examples after the loop's readers, and the backward loop all-reduced
   the kernels' gradients in every time step: 51 all-reduces compiled, 3 predicted."""
-  model, tx = _CarriedGRULM(), optax.sgd(0.1)
-  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (16, 25)), jnp.int32)
-  h = 0.1 * jax.random.normal(jax.random.key(0), (16, 64))
-  params = model.init(jax.random.key(1), h, tokens[:, :-1])
-
-  def step(state, h, batch):
-    params, opt = state
-
-    def loss_fn(p):
-      h2, logits = model.apply(p, h, batch["tokens"][:, :-1])
-      return optax.softmax_cross_entropy_with_integer_labels(
-          logits, batch["tokens"][:, 1:]).mean(), h2
-
-    (loss, h2), grads = jd.value_and_grad(loss_fn, has_aux=True)(params)
-    updates, opt = tx.update(grads, opt, params)
-    return (optax.apply_updates(params, updates), opt), h2, loss
-
-  args = ((params, tx.init(params)), h, {"tokens": tokens})
+  step, args = _tbptt(optax.sgd(0.1), 16, 24, jd.value_and_grad)
   method = jd.ShardParallel(devices=_mesh((2, 4), {}), num_micro_batches=2)
   exe = jd.parallelize(step, method=method, batch_argnums=(1, 2)).get_executable(*args)
   assert_trees_close(exe(*args), jax.jit(step)(*args), rtol=1e-4, atol=1e-5)
