@@ -986,10 +986,17 @@ def _shard_parallel(planned):
     timeline.add(("early copy", n), 0, end, b)
     labels[("early copy", n)] = "temporaries"
     early.update((k, b) for k in readers)
-  # A collective's result is a buffer of its own next to its operand.
+  # A collective's result is a buffer of its own next to its operand, but for a gather
+  # into an elementwise step output (a parameter's update computed split, its sum with
+  # the replicated parameter): XLA adds on the shards and gathers into the output buffer
+  # (a PCGrad step planned with DataParallel's layouts: 3 x 4 MB counted, none compiled).
+  outputs = {id(v) for v in jaxpr.outvars}
   for k, (kind, axes, b) in graph.collectives(choice, plan.cost_model):
     eqn = graph.nodes[k].eqn
     if eqn is None or id(eqn) not in timeline.position:
+      continue
+    if (kind == "all-gather" and eqn.primitive.name in ELEMENTWISE
+        and all(id(o) in outputs for o in eqn.outvars)):
       continue
     if early[(k, b)]:  # the early copy's
       early[(k, b)] -= 1
