@@ -184,6 +184,35 @@ def test_a_loss_value_nothing_reads_is_not_reduced_after_the_loop():
   _assert_predicted_as_compiled(exe)
 
 
+def test_a_batch_leaf_enters_the_loop_as_its_first_reader_wants_it():
+  """The regression targets, planned split over mesh_1 on the batch, enter the loop split
+  over mesh_0 (the batch axis) on the batch and over mesh_1 on their outputs, as the
+  loss reads them there: XLA moves that block (128 B), not the one split over the batch
+  axis only (256 B predicted)."""
+  data = models.regression_batch(32, 64, out=8)
+  state = models.create_state(models.MLP(hidden=64, num_layers=2, out=8), data["x"],
+                              tx=optax.adam(1e-3))
+  exe = jd.parallelize(models.regression_step(jd.value_and_grad), method=jd.ShardParallel(
+      devices=_mesh((4, 2), UNIT), num_micro_batches=2)).get_executable(state, data)
+  assert exe.communication()["collective-permute"].result_bytes == 128
+  _assert_predicted_as_compiled(exe)
+
+
+def test_what_reads_the_loop_s_values_waits_for_all_its_collectives():
+  """Global-norm clipping over gradients split over mesh_1, after a 4 micro-batch loop
+  with two all-reduces per iteration: the norm's all-reduce runs after the loop, not
+  beside the collectives of the loop's first iteration that the gradients read (8
+  predicted, 9 compiled)."""
+  config = models.GPTConfig(vocab=512, width=64, heads=2, depth=1, seq_len=64)
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+  step, state, batch = _lm(models.GPT, tx=tx, value_and_grad=jd.value_and_grad,
+                           config=config, batch_size=8)
+  exe = jd.parallelize(step, method=jd.ShardParallel(
+      devices=_mesh((1, 4), {}), num_micro_batches=4)).get_executable(state, batch)
+  assert exe.communication()["all-reduce"].count == 9
+  _assert_predicted_as_compiled(exe)
+
+
 def test_a_parameter_split_over_the_batch_axis_enters_the_loop_as_predicted():
   """The embedding split over both axes, the batch over mesh_0 only, 4 micro-batches: the
   table enters the loop gathered over mesh_0, after a collective-permute (its block of

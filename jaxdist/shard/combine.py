@@ -213,17 +213,28 @@ def predict(graph, choice, cost_model: CostModel,
       for k, _, b in late_entries:
         regions[graph.nodes[k].region].append((k, b, True))
       for members in regions.values():
-        weight = defaultdict(int)
+        weight, late_weight = defaultdict(int), defaultdict(int)
         for k, _, is_late in members:  # late ones at a node: one combined op
           weight[k] += 1 if is_late else repeat(k, kind, axes)
+          late_weight[k] = late_weight[k] or int(is_late)
         for k in {k for k, _, is_late in members if is_late}:
           weight[k] -= sum(is_late for j, _, is_late in members if j == k) - 1
         # (a read of a node's value that is not reduced there yet does not wait for it)
         unwaited = lambda p, pos, k: p in late and (pos not in late[p] or not after_extra(k))
+        # What reads a value of a repeated part (a micro-batch loop) runs after the loop:
+        # after all its iterations' collectives (a GPT's global-norm sums over split
+        # gradients, after a loop whose backward collectives they do not read: 8
+        # all-reduces predicted, 9 compiled).
+        looped = [repeat(k, kind, axes) > 1 for k in range(len(graph.nodes))]
+        loop_chain = 0
         chain = np.zeros(len(graph.nodes), dtype=np.int64)
         for k in range(len(graph.nodes)):
-          chain[k] = max((chain[p] - unwaited(p, pos, k) for p, pos in preds[k]),
-                         default=0) + weight[k]
+          c = max((chain[p] - unwaited(p, pos, k) for p, pos in preds[k]), default=0)
+          if not looped[k] and any(looped[p] for p, _ in preds[k]):
+            c = max(c, loop_chain)
+          chain[k] = c + weight[k]
+          if looped[k]:
+            loop_chain = max(loop_chain, int(chain[k]) - late_weight[k])
         count += graph.nodes[members[0][0]].weight * max(
             int(chain.max()),
             _greedy_groups({k for k, _, _ in members}, preds, order(), unwaited),

@@ -563,12 +563,20 @@ def _micro_batch_predictions(step: TracedStep, plan: MeshPlan, layout: Layout, k
       entered[graph.producer[v][0]] = local
       permute = permute_on_entry(spec, layout.batch_axes, gathered, sizes)
       permutes += [permute[2]] if permute is not None else []
-  # Every batch leaf enters the region split on dim 0 over the batch axes, and on
-  # nothing else: a leaf planned otherwise is resharded there, once.
+  # Every batch leaf enters the region split on dim 0 over the batch axes, and over the
+  # other axes as the loop's first reader of it wants (the region's auto axes are XLA's
+  # to place: a regression target the loss reads split over mesh_1 on its outputs was
+  # moved as that block, half the one predicted): a leaf planned otherwise is resharded
+  # there, once.
   entry_moves = []
+  first_read = {}
+  for flow in graph.flows:
+    if not flow.tied and inside(flow.dst):
+      first_read.setdefault(flow.src, flow.required[choice[graph.nodes[flow.dst].group]])
   for v, spec, leaf in zip(jaxpr.invars, plan.input_specs, step.inputs):
     if leaf.role == BATCH and leaf.shape and v in graph.producer and shards > 1:
-      entry = entry_spec(len(leaf.shape), layout.batch_axes)
+      entry = entry_spec(len(leaf.shape), layout.batch_axes,
+                         first_read.get(graph.producer[v][0]))
       entry_moves += [(kind, cost_model.combining.collective_bytes(b, v.aval.dtype))
                       for kind, _, b in cost_model.reshard_collectives(spec, entry, nbytes(v))]
       entered[graph.producer[v][0]] = ((),) * len(leaf.shape)
