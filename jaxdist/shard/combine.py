@@ -159,7 +159,8 @@ def predict(graph, choice, cost_model: CostModel,
             axes_of=lambda node, axes: axes,
             at_source=lambda node: False, batch_axes=None,
             extra=(), held=lambda flow: None,
-            after_extra=lambda node: True) -> dict[str, dict[str, float]]:
+            after_extra=lambda node: True,
+            rows=lambda node: False) -> dict[str, dict[str, float]]:
   """kind → {"count", "result_bytes"} per step of a solved plan, combined as XLA does.
 
   ``count`` is, per kind and mesh axes, the ops XLA's combiner makes of them (where XLA
@@ -174,6 +175,8 @@ def predict(graph, choice, cost_model: CostModel,
   ``extra``: ``(node, pos, (kind, axes, bytes))`` per collective that runs once on
   ``node``'s output ``pos`` (a gradient's reduction after a micro-batch loop): what reads
   the node's other outputs does not wait for it, and may combine with it.
+  ``rows(node)``: whether the node's value holds the batch's rows, which a loop manual
+  over ``batch_axes`` keeps split over them.
   """
   combining = cost_model.combining
   sizes = cost_model.axis_sizes
@@ -181,8 +184,11 @@ def predict(graph, choice, cost_model: CostModel,
   for k, (kind, axes, nbytes) in graph.collectives(choice, cost_model, at_source, batch_axes,
                                                       held):
     inside = axes_of(k, axes)
-    if kind == "all-gather" and batch_axes:  # (in a loop manual over batch axes, the
-      # result stays split over them: that much smaller)
+    if batch_axes and (kind == "all-gather" or kind == "all-reduce" and rows(k)):
+      # (in a loop manual over batch axes, the result stays split over them: that much
+      # smaller; so is an all-reduce of the loop's rows over a dim the plan split over a
+      # batch axis too: a GPT on 2x2 with 2 micro-batches, 10.5 MB predicted, 8.8 MB
+      # compiled)
       nbytes /= math.prod(sizes[a] for a in axes if a not in inside and a in batch_axes)
     axes = inside
     if math.prod(sizes[a] for a in axes) > 1:

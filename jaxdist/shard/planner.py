@@ -282,7 +282,7 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
                   f"the lowest predicted step time of {len(shapes)} shapes searched"))
   layout = layout_of(step, best, k)
   if k > 1:
-    predicted = _micro_batch_predictions(step, best, layout, k)
+    predicted = _micro_batch_predictions(step, best, layout, k, loop)
     notes.append(f"num_micro_batches={k}: the gradient part runs {k} times (on 1/{k} of the "
                  f"batch each), split over the batch axes {layout.batch_axes}; gradients are "
                  f"reduced over them once, after the loop")
@@ -479,7 +479,8 @@ def _loop_notes(counts: collections.Counter, stand_ins: bool) -> list[str]:
   return notes
 
 
-def _micro_batch_predictions(step: TracedStep, plan: MeshPlan, layout: Layout, k: int):
+def _micro_batch_predictions(step: TracedStep, plan: MeshPlan, layout: Layout, k: int,
+                             loop=None):
   """Predicted collectives per step with ``k`` micro-batches (``jaxdist.accumulate``).
 
   The gradient part runs per micro-batch inside a ``shard_map`` that is manual over the
@@ -487,7 +488,9 @@ def _micro_batch_predictions(step: TracedStep, plan: MeshPlan, layout: Layout, k
   many ops, the same bytes), and none runs over the batch axes there. Instead each marked
   value (gradients, loss, aux) is reduced over the batch axes once, after the loop:
   an all-reduce of the device's part, or a reduce-scatter where the layout keeps the
-  gradient split over the batch axes. The apply part runs once.
+  gradient split over the batch axes. The apply part runs once. ``loop``: the cached
+  :class:`MicroBatchLoop` maker, which tells the values that hold the batch's rows (None:
+  none is taken to).
   """
   jaxpr = step.closed_jaxpr.jaxpr
   graph, choice, cost_model = plan.graph, plan.solution.choice, plan.cost_model
@@ -592,7 +595,9 @@ def _micro_batch_predictions(step: TracedStep, plan: MeshPlan, layout: Layout, k
       graph, choice, cost_model,
       repeat=lambda node, kind, axes: k if inside(node) and node in varies else 1,
       axes_of=axes_of, at_source=lambda node: node not in varies, batch_axes=layout.batch_axes,
-      extra=late, held=held, after_extra=lambda node: not inside(node))
+      extra=late, held=held, after_extra=lambda node: not inside(node),
+      rows=lambda node: loop is not None and inside(node) and any(
+          loop().scaled(v) for v in graph.nodes[node].eqn.outvars))
 
   def add(kind, count, result_bytes):
     entry = predicted.setdefault(kind, {"count": 0, "result_bytes": 0.0})
