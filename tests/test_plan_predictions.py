@@ -198,15 +198,19 @@ def test_a_batch_leaf_enters_the_loop_as_its_first_reader_wants_it():
   _assert_predicted_as_compiled(exe)
 
 
-def test_an_activation_reduced_in_the_loop_keeps_its_rows_split():
-  """A GPT on 2x2 at unit costs whose plan splits a contracted dim over both axes: in the
-  micro-batch loop, manual over mesh_1, the all-reduce runs over mesh_0 on this device's
-  rows only (4.58 MB predicted as whole rows, 4.06 MB compiled)."""
+@pytest.mark.parametrize("k", [2, 4])
+def test_an_activation_reduced_in_the_loop_keeps_its_rows_split(k):
+  """A GPT on 2x2 at unit costs whose plan splits a contracted dim (the attention
+  projection's heads, the vocabulary) over both axes: in the micro-batch loop, manual
+  over mesh_1, the all-reduce runs over mesh_0 on this device's rows only (2 micro-batches:
+  4.58 MB predicted as whole rows, 4.06 MB compiled), and the contracted dim keeps its
+  size (4 micro-batches: 8 heads were taken for 8 / (4 x 2), split over nothing, and
+  their all-reduces left out: 13 predicted, 29 compiled)."""
   config = models.GPTConfig(vocab=1000, width=256, heads=8, depth=1, seq_len=16)
   step, state, batch = _lm(models.GPT, value_and_grad=jd.value_and_grad, config=config,
                            batch_size=16)
   exe = jd.parallelize(step, method=jd.ShardParallel(
-      devices=_mesh((2, 2), UNIT), num_micro_batches=2)).get_executable(state, batch)
+      devices=_mesh((2, 2), UNIT), num_micro_batches=k)).get_executable(state, batch)
   _assert_predicted_as_compiled(exe)
 
 

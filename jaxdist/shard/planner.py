@@ -513,8 +513,19 @@ def _micro_batch_predictions(step: TracedStep, plan: MeshPlan, layout: Layout, k
     for specs, atoms in ((strategy.in_specs, node.eqn.invars), (have, node.eqn.invars),
                          (strategy.out_specs, node.eqn.outvars)):
       for spec, v in zip(specs, atoms):
-        for size, axes in zip(getattr(v.aval, "shape", ()), spec or ()):
-          if any(a in batch for a in axes):
+        shape = getattr(v.aval, "shape", ())
+        micro = None
+        if loop is not None and not isinstance(v, jex.Literal):
+          micro = loop().micro_shapes.get(v, shape) if loop().varies(v) else shape
+        for d, (size, axes) in enumerate(zip(shape, spec or ())):
+          if micro is not None and len(micro) == len(shape):
+            # (the batch dim, which the micro-batch trace shrinks, is split over the batch
+            # axes; another dim the plan split over one too, a projection's heads over
+            # both axes, keeps its size and its other axes: 8 heads split 8 ways were
+            # taken for 1 per device, and the projection's all-reduce for none)
+            if micro[d] != size:
+              size = micro[d] // shards
+          elif any(a in batch for a in axes):
             size //= k * shards
           rest = [a for a in axes if a not in batch]
           if rest and size % math.prod(sizes[a] for a in rest) == 0:
