@@ -516,7 +516,7 @@ def _micro_batch_predictions(step: TracedStep, plan: MeshPlan, layout: Layout, k
         shape = getattr(v.aval, "shape", ())
         micro = None
         if loop is not None and not isinstance(v, jex.Literal):
-          micro = loop().micro_shapes.get(v, shape) if loop().varies(v) else shape
+          micro = loop().micro_shapes[v] if loop().varies(v) else shape  # (None: unknown)
         for d, (size, axes) in enumerate(zip(shape, spec or ())):
           if micro is not None and len(micro) == len(shape):
             # (the batch dim, which the micro-batch trace shrinks, is split over the batch
