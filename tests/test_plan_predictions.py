@@ -184,17 +184,22 @@ def test_a_loss_value_nothing_reads_is_not_reduced_after_the_loop():
   _assert_predicted_as_compiled(exe)
 
 
-def test_a_batch_leaf_enters_the_loop_as_its_first_reader_wants_it():
-  """The regression targets, planned split over mesh_1 on the batch, enter the loop split
-  over mesh_0 (the batch axis) on the batch and over mesh_1 on their outputs, as the
-  loss reads them there: XLA moves that block (128 B), not the one split over the batch
-  axis only (256 B predicted)."""
-  data = models.regression_batch(32, 64, out=8)
-  state = models.create_state(models.MLP(hidden=64, num_layers=2, out=8), data["x"],
+@pytest.mark.parametrize("shape,hidden,out,k,moved", [((4, 2), 64, 8, 2, 128),
+                                                      ((2, 2), 256, 1, 4, 64)])
+def test_a_batch_leaf_enters_the_loop_as_its_first_reader_wants_it(shape, hidden, out, k,
+                                                                    moved):
+  """The regression targets, planned split over a non-batch axis on the batch, enter the
+  loop split over the batch axis on the batch (only: the loop reshapes that dim into
+  micro-batches) and over the other axis on their outputs where the loss reads them so:
+  on 4x2, XLA moves that block (128 B), not the one split over the batch axis only (256 B
+  predicted); with one output there is nothing to split it over (64 B; 32 B predicted
+  with the other axis on the batch dim too)."""
+  data = models.regression_batch(32, hidden, out=out)
+  state = models.create_state(models.MLP(hidden=hidden, num_layers=2, out=out), data["x"],
                               tx=optax.adam(1e-3))
   exe = jd.parallelize(models.regression_step(jd.value_and_grad), method=jd.ShardParallel(
-      devices=_mesh((4, 2), UNIT), num_micro_batches=2)).get_executable(state, data)
-  assert exe.communication()["collective-permute"].result_bytes == 128
+      devices=_mesh(shape, UNIT), num_micro_batches=k)).get_executable(state, data)
+  assert exe.communication()["collective-permute"].result_bytes == moved
   _assert_predicted_as_compiled(exe)
 
 

@@ -124,10 +124,11 @@ def gather_after_loop(spec, batch_axes: tuple[str, ...], nbytes: float, sizes: d
 
 def entry_spec(rank: int, batch_axes: tuple[str, ...], read=None):
   """The layout a batch leaf enters the loop's region in (``accumulate``'s
-  ``shard_map``): dim 0 split over the batch axes first, then over the other axes as the
-  spec ``read`` its first reader in the loop wants it (None: nothing else)."""
+  ``shard_map``): dim 0 split over the batch axes (and nothing else: the loop reshapes it
+  into micro-batches), the other dims over the other axes as the spec ``read`` its first
+  reader in the loop wants them (None: whole)."""
   rest = [tuple(a for a in axes if a not in batch_axes) for axes in read or ((),) * rank]
-  return (tuple(batch_axes) + rest[0],) + tuple(rest[1:])
+  return (tuple(batch_axes),) + tuple(rest[1:])
 
 
 def permute_on_entry(spec, batch_axes: tuple[str, ...], nbytes: float, sizes: dict):

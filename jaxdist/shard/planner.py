@@ -589,8 +589,11 @@ def _micro_batch_predictions(step: TracedStep, plan: MeshPlan, layout: Layout, k
       first_read.setdefault(flow.src, flow.required[choice[graph.nodes[flow.dst].group]])
   for v, spec, leaf in zip(jaxpr.invars, plan.input_specs, step.inputs):
     if leaf.role == BATCH and leaf.shape and v in graph.producer and shards > 1:
-      entry = entry_spec(len(leaf.shape), layout.batch_axes,
-                         first_read.get(graph.producer[v][0]))
+      read = first_read.get(graph.producer[v][0])
+      if read is not None:  # (an axis that does not divide its dim stays off)
+        read = tuple(axes if size % math.prod(sizes[a] for a in axes if a not in batch) == 0
+                     else () for size, axes in zip(leaf.shape, read))
+      entry = entry_spec(len(leaf.shape), layout.batch_axes, read)
       entry_moves += [(kind, cost_model.combining.collective_bytes(b, v.aval.dtype))
                       for kind, _, b in cost_model.reshard_collectives(spec, entry, nbytes(v))]
       entered[graph.producer[v][0]] = ((),) * len(leaf.shape)
