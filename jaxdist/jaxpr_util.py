@@ -203,9 +203,14 @@ def recursions(closed: jex.ClosedJaxpr, batch: frozenset[int] | None) -> frozens
   if not scans:
     return frozenset()
   mask = sum(1 << k for k in batch)
-  deps = iter(dependencies(jaxpr, len(jaxpr.invars), [v for _, xs in scans for v in xs]))
-  weights = lambda d: d and not d & mask
-  return frozenset(i for i, xs in scans if not any([weights(next(deps)) for _ in xs]))
+  deps = dependencies(jaxpr, len(jaxpr.invars), [v for _, xs in scans for v in xs])
+  kept, at = [], 0
+  for i, xs in scans:
+    # (a scanned operand from inputs none of which is a batch one: stacked weights)
+    if not any(d and not d & mask for d in deps[at:at + len(xs)]):
+      kept.append(i)
+    at += len(xs)
+  return frozenset(kept)
 
 
 def _inline(closed: jex.ClosedJaxpr, primitives: Sequence[str], deep: bool) -> jex.ClosedJaxpr:

@@ -127,8 +127,9 @@ def entry_spec(rank: int, batch_axes: tuple[str, ...], read=None):
   ``shard_map``): dim 0 split over the batch axes (and nothing else: the loop reshapes it
   into micro-batches), the other dims over the other axes as the spec ``read`` its first
   reader in the loop wants them (None: whole)."""
-  rest = [tuple(a for a in axes if a not in batch_axes) for axes in read or ((),) * rank]
-  return (tuple(batch_axes),) + tuple(rest[1:])
+  others = (read or ((),) * rank)[1:]
+  return (tuple(batch_axes),) + tuple(tuple(a for a in axes if a not in batch_axes)
+                                      for axes in others)
 
 
 def permute_on_entry(spec, batch_axes: tuple[str, ...], nbytes: float, sizes: dict):
