@@ -737,6 +737,20 @@ def test_a_tied_output_layer_and_cross_entropy_are_sized_as_xla_folds_them():
   assert abs(est.memory_per_device - compiled) <= 0.10 * compiled, est.summary()
 
 
+@pytest.mark.parametrize("method", [jd.Zero2Parallel(), jd.Zero3Parallel()], ids=["zero2", "zero3"])
+def test_stacked_expert_gradients_are_copied_for_their_reduce_scatter(method):
+  """A MoE's expert kernels ``[experts, in, out]``: XLA computes each one's gradient in
+  the kernel's layout and copies it into another for the reduce-scatter over the
+  experts, both alive beside the next parameter's gather. Without the copy this MoE LM's
+  estimates were 0.87x (ZeRO-2) and 0.70x (ZeRO-3) of XLA's bytes."""
+  config = models.GPTConfig(vocab=1024, width=128, heads=8, depth=2, seq_len=16)
+  batch = models.token_batch(8, config)
+  state = models.create_state(models.MoELM(config), batch["tokens"][:, :-1], tx=optax.sgd(0.1))
+  est = jd.estimate(models.lm_step(jd.value_and_grad), state, batch, method=method, compile=True)
+  compiled = est.compiled["total"]
+  assert abs(est.memory_per_device - compiled) <= 0.05 * compiled, est.summary()
+
+
 def test_a_softmax_gradient_fused_into_the_scatter_s_sum_is_still_counted():
   """With the block recomputed, the softmax's gradient is read by nothing but its sum with
   the label scatter: XLA writes it and scatters into it in place. The fold that drops the
