@@ -728,14 +728,16 @@ def _input_gradients_first(eqns: list) -> list:
         "transpose", "convert_element_type"):
       chain.append(users[0])
       users = readers.get(eqns[users[0]][2][0], [])
+    summed = None  # (a tied weight's two gradients: their sum stays where it is)
     if len(users) == 1 and eqns[users[0]][0].primitive.name in ("add", "add_any"):
-      users = readers.get(eqns[users[0]][2][0], [])  # (a tied weight's two gradients)
+      summed = users[0]
+      users = readers.get(eqns[summed][2][0], [])
     if not users or any(eqns[j][0].primitive.name not in jaxpr_util.MARKERS for j in users):
       continue
     later = [j for v in ins for j in readers.get(v, ())
              if j > i and j not in chain and eqns[j][0].primitive.name == "dot_general"
              and j not in moved]
-    if later:
+    if later and (summed is None or summed > min(later)):
       moved[min(later)] = chain
   if not moved:
     return eqns
