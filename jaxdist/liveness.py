@@ -278,19 +278,7 @@ class Timeline:
     (DataParallel) and 1.14x (ZeRO-3) of XLA's bytes, a WideResNet's at 32 px 1.11x
     and 1.16x. Not a sum of two full-size arrays (a residual connection), which XLA
     writes."""
-
-    def sources(i):  # the written values the fusion rooted at equation i reads
-      stack, seen = list(self.eqns[i][1]), set()
-      while stack:
-        v = stack.pop()
-        if isinstance(v, jex.Literal) or v in seen:
-          continue
-        seen.add(v)
-        j = made_at.get(v)
-        if j is not None and (fused[j] or bitcast[j]):
-          stack.extend(self.eqns[j][1])
-        else:
-          yield v
+    through = lambda j: fused[j] or bitcast[j]
 
     for i, (eqn, _, outs) in enumerate(self.eqns):
       if (fused[i] or bitcast[i] or len(outs) != 1 or eqn.primitive.name not in CHEAP
@@ -300,11 +288,26 @@ class Timeline:
       names = readers.get(o, ())
       if len(names) < 2 or not all(r in FUSIBLE | REDUCTIONS for r in names):
         continue
-      read = list(sources(i))
+      read = list(self._fusion_inputs(i, made_at, through))
       full = [v for v in read if v.aval.size >= o.aval.size]
       if (len(full) == 1 and sum(v.aval.size for v in read) <= 1.25 * o.aval.size
           and (full[0] in inputs or last.get(full[0], -1) >= last.get(o, -1))):
         fused[i] = True
+
+  def _fusion_inputs(self, i: int, made_at: dict, through):
+    """The arrays the fusion rooted at equation ``i`` reads: its operands, and those of
+    each producer ``through(position)`` fuses into it, in turn."""
+    stack, seen = list(self.eqns[i][1]), set()
+    while stack:
+      v = stack.pop()
+      if isinstance(v, jex.Literal) or v in seen:
+        continue
+      seen.add(v)
+      j = made_at.get(v)
+      if j is not None and through(j):
+        stack.extend(self.eqns[j][1])
+      else:
+        yield v
 
   def _stacks_written_by_loops(self, regions, last) -> dict:
     """A concatenation of values made in different iterations of a loop (the stacked
@@ -422,23 +425,14 @@ class Timeline:
     position = {o: i for i, (_, _, outs) in enumerate(self.eqns) for o in outs}
     written = lambda b: (b not in inputs and b not in outputs and b in position
                          and not fused[position[b]] and not _zeros(self.eqns[position[b]][0]))
-
-    def operands(i):  # the values the fusion rooted at equation i reads
-      stack = list(self.eqns[i][1])
-      while stack:
-        v = stack.pop()
-        j = position.get(v)
-        if j is not None and fused[j] and self.eqns[j][0].primitive.name in ELEMENTWISE:
-          stack.extend(self.eqns[j][1])
-        else:
-          yield v
+    through = lambda j: fused[j] and self.eqns[j][0].primitive.name in ELEMENTWISE
 
     for i, (eqn, _, outs) in enumerate(self.eqns):
       if (fused[i] or len(outs) != 1 or outs[0] in outputs
           or eqn.primitive.name not in ELEMENTWISE):
         continue
       o = outs[0]
-      for v in operands(i):
+      for v in self._fusion_inputs(i, position, through):
         b = self._root(v)
         if (written(b) and end.get(b, -1) == i and b.aval.shape == o.aval.shape
             and b.aval.dtype == o.aval.dtype):
@@ -468,8 +462,7 @@ class Timeline:
           continue
         zeros = self._root(scattered) if scattered in self._owner else None
         init = made.get(zeros)
-        if (init is None or init.primitive.name != "broadcast_in_dim"
-            or not isinstance(init.invars[0], jex.Literal) or init.invars[0].val != 0):
+        if init is None or not _zeros(init):
           continue
         b = self._root(other)
         dies = end.get(b, -1) == i or self._root(outs[0]) == b  # (its buffer the sum's)
@@ -521,8 +514,9 @@ class Timeline:
         else:
           # A computed operand is copied where it is read: a weight gradient's dot
           # reads the output gradient ``[batch, seq, out]`` over ``(batch, seq)``.
-          # Where an earlier dot reads it too (the input gradient's), XLA makes the copy
-          # before that one, and the operand dies there.
+          # Where an earlier dot reads it too (the input gradient's for a cotangent, the
+          # forward's for an activation), XLA makes the copy there, and the operand lives
+          # only to its other readers.
           reads = [j for j in read_at.get(b, ()) if j < i]
           first = min((j for j in reads if self.eqns[j][0].primitive.name == "dot_general"),
                       default=i)
