@@ -81,12 +81,6 @@ def check_batch_divisible(step: TracedStep, parts: int, what: str) -> None:
   for leaf in step.inputs:
     if leaf.role != BATCH:
       continue
-    if not leaf.shape:
-      raise errors.BatchDivisibilityError(
-          f"batch argument leaf {leaf.path} is a scalar; batch leaves need a leading batch "
-          f"dimension. Remove argument {leaf.argnum} from batch_argnums or give it one; a "
-          f"value the whole batch shares (a random key, a step count) can be an argument of "
-          f"its own.")
     if leaf.shape[0] % parts:
       other = next((o for o in step.inputs if o.role == BATCH and o.shape
                     and o.shape[0] != leaf.shape[0]), None)

@@ -177,7 +177,9 @@ def trace_step(fun, args: tuple, static_argnums: tuple[int, ...], batch_argnums:
       argnum_of_leaf.append(i)
   in_tree = tree_util.tree_structure(tuple(args[i] for i in dyn_argnums))
 
-  is_batch = [a in batch_argnums for a in argnum_of_leaf]
+  # A scalar in a batch argument (a dropout key in the batch dict, a step count) has no
+  # examples to split: the whole batch shares it, as if it were an argument of its own.
+  is_batch = [a in batch_argnums and np.ndim(x) > 0 for a, x in zip(argnum_of_leaf, leaves)]
   closed, out_tree, out_paths, marker_index, num_markers, unseen = _trace_flat(
       fun, args, dyn_argnums, in_tree, leaves, is_batch=is_batch)
   out_avals = tuple(v.aval for v in closed.jaxpr.outvars)
