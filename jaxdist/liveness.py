@@ -51,7 +51,9 @@ import jax.numpy as jnp
 from jaxdist import jaxpr_util
 from jaxdist.shard.strategies import ELEMENTWISE, REDUCTIONS, nbytes
 
-FUSIBLE = ELEMENTWISE | {"broadcast_in_dim", "iota"}
+# A bitcast between types of one width (random bits to floats) is elementwise too where
+# ``_kind`` says so.
+FUSIBLE = ELEMENTWISE | {"broadcast_in_dim", "iota", "bitcast_convert_type"}
 FUSING_READERS = FUSIBLE | REDUCTIONS | {"reshape", "squeeze", "expand_dims", "transpose"}
 # Slicing read by elementwise ops or reductions only is fused into them (each part read once).
 SLICES = frozenset({"split", "slice"})
@@ -65,10 +67,17 @@ CHEAP = frozenset("""
 add add_any sub mul neg max min select_n convert_element_type copy eq ne lt le gt ge and or
 not xor abs sign floor ceil round clamp integer_pow square is_finite stop_gradient
 shift_left shift_right_logical shift_right_arithmetic broadcast_in_dim iota
+bitcast_convert_type
 """.split())
 # Random bits: XLA:CPU runs threefry as a loop whose state (counters, keys, copies around
 # the loop) is arrays of the draw's shape in 32-bit words: measured on a ViT's dropout
-# draws, 7 such arrays beside the result while the loop runs.
+# draws, 7 such arrays beside the result while the loop runs. The loop's result is the
+# hash's two 32-bit halves, which every fusion reading the bits combines (``xor``) itself:
+# a dropout's draw keeps both halves until its mask's last reader, the backward's select
+# (measured on an MLP-Mixer with 3 dropouts, one device's program: XLA's bytes grew by 6
+# arrays of the draw's shape with dropout, where the estimate kept one float array per
+# draw: 0.92x). Not measured so in a partitioned program (ShardParallel) or a micro-batch
+# loop, where the draws stay as they were (``Timeline(draws_in_readers=False)``).
 THREEFRY = frozenset({"random_bits", "threefry2x32"})
 THREEFRY_STATE = 7
 # Readers of a transposed weight gradient for which XLA holds one buffer (Timeline).
@@ -97,6 +106,8 @@ class Timeline:
   calls flattened), each alive over ``[start, end]``; callers may add buffers (a
   collective's result, an accumulator) and move ends before taking the ``peak``.
   ``in_loop``: the jaxpr runs as a loop's body (a micro-batch loop's).
+  ``draws_in_readers``: on CPU, a random draw's readers recompute its bits from the
+  threefry loop's two halves (one device's program outside loops; see :data:`THREEFRY`).
   ``unrolled``: the jaxpr's scans are unrolled in the compiled program too (their stacks
   read back slice by slice are never made: :meth:`_slices_of_stacks`). ``regions``: where
   the jaxpr's scans are unrolled but compile as loops, an equation → the loop iteration
@@ -112,8 +123,11 @@ class Timeline:
 
   def __init__(self, jaxpr, size: Callable[[object], float] = nbytes, platform: str | None = None,
                late_inputs: frozenset = frozenset(), unrolled: bool = False,
-               regions: Callable[[object], object] | None = None, in_loop: bool = False):
+               regions: Callable[[object], object] | None = None, in_loop: bool = False,
+               draws_in_readers: bool = False):
     base = size
+    draws_in_readers = draws_in_readers and platform == "cpu" and not in_loop
+    kind = lambda eqn: _kind(eqn, draws_in_readers)
     if platform == "cpu":
       size = _widened(size)
     self.eqns, self._rename = _linear(jaxpr)
@@ -125,7 +139,7 @@ class Timeline:
     last: dict = {}
     for i, (eqn, ins, _) in enumerate(self.eqns):
       for v in ins:
-        readers.setdefault(v, []).append(eqn.primitive.name)
+        readers.setdefault(v, []).append(kind(eqn))
         last[v] = i
     # A value → the value whose buffer it shares (a bitcast's operand, an operand
     # updated in place); chains end at the buffer (``_root``).
@@ -173,7 +187,7 @@ class Timeline:
     for i, (eqn, ins, _) in enumerate(self.eqns):
       outer[i] = (_outer_product(eqn) or (eqn.primitive.name == "transpose" and bool(ins)
                                           and outer[made_at.get(ins[0], i)]))
-    fused = [_fused(eqn, outs, readers, outputs, static, outer[i])
+    fused = [_fused(eqn, outs, readers, outputs, static, outer[i], kind)
              for i, (eqn, _, outs) in enumerate(self.eqns)]
     for i, (eqn, ins, _) in enumerate(self.eqns):  # an outer product a transpose writes
       if eqn.primitive.name == "transpose" and (bitcast[i] or not fused[i]):
@@ -263,7 +277,8 @@ class Timeline:
           continue
         if isinstance(o, jex.DropVar) or o in outputs or o in inputs:
           continue
-        self.buffers[o] = [start.get(o, i), max(end.get(o, i), i), size(o)]
+        halves = 2 if draws_in_readers and eqn.primitive.name == "random_bits" else 1
+        self.buffers[o] = [start.get(o, i), max(end.get(o, i), i), halves * size(o)]
     if platform == "cpu":
       self._make_input_only_values_early(static, inputs - set(late_inputs))
 
@@ -616,7 +631,8 @@ def _conv_order(eqn, side: int) -> tuple[int, ...] | None:
   return None if order == tuple(range(len(spec))) else order
 
 
-def _fused(eqn, outs, readers, outputs, static=frozenset(), outer: bool = False) -> bool:
+def _fused(eqn, outs, readers, outputs, static=frozenset(), outer: bool = False,
+           kind: Callable = lambda eqn: _kind(eqn, False)) -> bool:
   """Whether XLA fuses ``eqn`` into its reader instead of writing its result: an
   elementwise op (or broadcast) read by exactly one op that fuses its operands. A value
   read more than once is written once (measured on the CPU backend: a GPT's residual
@@ -639,10 +655,10 @@ def _fused(eqn, outs, readers, outputs, static=frozenset(), outer: bool = False)
   if outer:
     return bool(names) and all(r in FUSIBLE | REDUCTIONS | SLICES | {"transpose"}
                                for r in names)
-  if eqn.primitive.name not in FUSIBLE:
+  if kind(eqn) not in FUSIBLE:
     return False
   if len(names) > 1 and not (eqn.primitive.name in CHEAP and (
-      all(o in static for o in outs) or _unary(eqn) and all(r in FUSIBLE for r in names))):
+      all(o in static for o in outs) or _unary(eqn, kind) and all(r in FUSIBLE for r in names))):
     return False
   return all(r in FUSING_READERS for r in names)
 
@@ -653,9 +669,19 @@ def _zeros(eqn) -> bool:
           and eqn.invars[0].val == 0)
 
 
-def _unary(eqn) -> bool:
+def _kind(eqn, elementwise_bitcasts: bool) -> str:
+  """``eqn``'s primitive name, a bitcast named apart unless it is elementwise (one width,
+  and ``elementwise_bitcasts``)."""
+  name = eqn.primitive.name
+  if name == "bitcast_convert_type" and (
+      not elementwise_bitcasts or eqn.invars[0].aval.shape != eqn.outvars[0].aval.shape):
+    return "bitcast_convert_type (written)"
+  return name
+
+
+def _unary(eqn, kind: Callable = lambda eqn: _kind(eqn, False)) -> bool:
   """Whether ``eqn`` is elementwise on at most one array that is no scalar."""
-  return eqn.primitive.name in ELEMENTWISE and sum(
+  return kind(eqn) in FUSIBLE - {"broadcast_in_dim", "iota"} and sum(
       bool(getattr(v.aval, "shape", ())) for v in eqn.invars) <= 1
 
 

@@ -904,11 +904,14 @@ class _DropoutMLP(nn.Module):
                          ids=["dp", "zero3", "zero3-recompute"])
 def test_dropout_draws_are_sized_as_the_cpu_backend_runs_them(method):
   """XLA:CPU runs a draw as a threefry loop over 32-bit arrays of the mask's shape: without
-  them the estimates of this dropout net were 0.85x, 0.85x and 0.64x of XLA's bytes."""
+  them the estimates of this dropout net were 0.85x, 0.85x and 0.64x of XLA's bytes. The
+  loop's result is the hash's two halves, which the forward's and the backward's selects
+  each combine into the mask: counted as one float array per draw, kept to the backward,
+  the estimates were 0.91x, 0.91x and 0.92x (now 1.02, 1.05 and 0.995)."""
   step, state, batch = dropout_net()
   est = jd.estimate(step, state, batch, method=method, compile=True)
   compiled = est.compiled["total"]
-  assert abs(est.memory_per_device - compiled) <= 0.10 * compiled, est.summary()
+  assert abs(est.memory_per_device - compiled) <= 0.06 * compiled, est.summary()
 
 
 def test_pipeline_estimate_of_a_step_with_dropout():
