@@ -463,7 +463,7 @@ def _split_step(planned, closed, size=nbytes, gathered_inputs=None, hoisted=None
   timeline = Timeline(jaxpr, size, lmesh.devices[0].platform,
                       frozenset(jaxpr.invars[i] for i in layout.stream_inputs or ()),
                       unrolled=planned.shard_plan is not None, in_loop=k > 1,
-                      draws_in_readers=planned.shard_plan is None)
+                      draws_in_readers=True)
   markers = [e for e, _, _ in timeline.eqns if e.primitive.name == jaxpr_util.IDENTITY_MARKER]
   marker = markers[0] if layout.grad_reduce_specs is not None and len(markers) == 1 else None
   combined = "all-reduce" in combining_for(lmesh.devices[0].platform).kinds

@@ -76,8 +76,9 @@ bitcast_convert_type
 # a dropout's draw keeps both halves until its mask's last reader, the backward's select
 # (measured on an MLP-Mixer with 3 dropouts, one device's program: XLA's bytes grew by 6
 # arrays of the draw's shape with dropout, where the estimate kept one float array per
-# draw: 0.92x). Not measured so in a partitioned program (ShardParallel) or a micro-batch
-# loop, where the draws stay as they were (``Timeline(draws_in_readers=False)``).
+# draw: 0.92x; a micro-batch's program likewise). Not so in ShardParallel's partitioned
+# program, where a dropout net's draws were kept as their selects' float outputs: there
+# the draws stay written (``Timeline(draws_in_readers=False)``).
 THREEFRY = frozenset({"random_bits", "threefry2x32"})
 THREEFRY_STATE = 7
 # Readers of a transposed weight gradient for which XLA holds one buffer (Timeline).
@@ -107,7 +108,8 @@ class Timeline:
   collective's result, an accumulator) and move ends before taking the ``peak``.
   ``in_loop``: the jaxpr runs as a loop's body (a micro-batch loop's).
   ``draws_in_readers``: on CPU, a random draw's readers recompute its bits from the
-  threefry loop's two halves (one device's program outside loops; see :data:`THREEFRY`).
+  threefry loop's two halves (one device's program, or one micro-batch's; see
+  :data:`THREEFRY`).
   ``unrolled``: the jaxpr's scans are unrolled in the compiled program too (their stacks
   read back slice by slice are never made: :meth:`_slices_of_stacks`). ``regions``: where
   the jaxpr's scans are unrolled but compile as loops, an equation → the loop iteration
@@ -126,7 +128,7 @@ class Timeline:
                regions: Callable[[object], object] | None = None, in_loop: bool = False,
                draws_in_readers: bool = False):
     base = size
-    draws_in_readers = draws_in_readers and platform == "cpu" and not in_loop
+    draws_in_readers = draws_in_readers and platform == "cpu"
     kind = lambda eqn: _kind(eqn, draws_in_readers)
     if platform == "cpu":
       size = _widened(size)
