@@ -37,6 +37,10 @@ def place(x, sharding: NamedSharding, donated: bool = False):
       return jax.device_put(x.copy() if donated else x, sharding)
   if jax.process_count() == 1:
     return jax.device_put(x, sharding)
+  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    # (a typed key, which numpy cannot hold: placed as its key data)
+    data = place(jax.random.key_data(x), sharding, donated)
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
   host = np.asarray(x)
   return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index],
                                       dtype=jax.dtypes.canonicalize_dtype(host.dtype))

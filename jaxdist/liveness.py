@@ -633,8 +633,7 @@ def _conv_order(eqn, side: int) -> tuple[int, ...] | None:
   return None if order == tuple(range(len(spec))) else order
 
 
-def _fused(eqn, outs, readers, outputs, static=frozenset(), outer: bool = False,
-           kind: Callable = lambda eqn: _kind(eqn, False)) -> bool:
+def _fused(eqn, outs, readers, outputs, static, outer: bool, kind: Callable) -> bool:
   """Whether XLA fuses ``eqn`` into its reader instead of writing its result: an
   elementwise op (or broadcast) read by exactly one op that fuses its operands. A value
   read more than once is written once (measured on the CPU backend: a GPT's residual
@@ -681,9 +680,10 @@ def _kind(eqn, elementwise_bitcasts: bool) -> str:
   return name
 
 
-def _unary(eqn, kind: Callable = lambda eqn: _kind(eqn, False)) -> bool:
-  """Whether ``eqn`` is elementwise on at most one array that is no scalar."""
-  return kind(eqn) in FUSIBLE - {"broadcast_in_dim", "iota"} and sum(
+def _unary(eqn, kind: Callable) -> bool:
+  """Whether ``eqn`` is elementwise (``kind``: its name, see :func:`_kind`) on at most one
+  array that is no scalar."""
+  return kind(eqn) in FUSIBLE and kind(eqn) not in ("broadcast_in_dim", "iota") and sum(
       bool(getattr(v.aval, "shape", ())) for v in eqn.invars) <= 1
 
 

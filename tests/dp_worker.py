@@ -12,6 +12,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from jaxdist import models  # noqa: E402
+from helpers import dropout_key_step  # noqa: E402
 
 
 
@@ -29,7 +30,17 @@ def run(method, value_and_grad):
   return {"losses": losses, "kernel_sum": total}
 
 
+def dropout_loss():
+  """One Zero2Parallel step over 2 micro-batches of a dropout MLP whose key is in the batch
+  dict (a typed key: each process placed it through numpy, which cannot hold one)."""
+  step, make_state, batch = dropout_key_step()
+  _, loss = jd.parallelize(step, method=jd.Zero2Parallel(num_micro_batches=2))(make_state(),
+                                                                              batch)
+  return float(loss)
+
+
 result = {"dp": run(jd.DataParallel(), jax.value_and_grad),
+          "dropout_key": dropout_loss(),
           "zero2_k2": run(jd.Zero2Parallel(num_micro_batches=2), jd.value_and_grad),
           "devices": jax.device_count(), "processes": jax.process_count()}
 if jax.process_index() == 0:

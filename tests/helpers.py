@@ -101,6 +101,35 @@ def dropout_net():
   return step, state, batch
 
 
+class _DropoutHead(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dropout(0.5, deterministic=False)(nn.relu(nn.Dense(64)(x)))
+    return nn.Dense(8)(x)
+
+
+def dropout_key_step():
+  """(step, make_state, batch): a dropout MLP whose key is in the batch dict
+  (``batch["key"] = jax.random.key(5)``, a scalar the whole batch shares), SGD +
+  momentum; the step returns (state, loss)."""
+  batch = {"x": jax.random.normal(jax.random.key(0), (64, 32)),
+           "y": jax.random.normal(jax.random.key(1), (64, 8)), "key": jax.random.key(5)}
+  model = _DropoutHead()
+  make_state = lambda: train_state.TrainState.create(
+      apply_fn=model.apply, params=model.init(jax.random.key(1), batch["x"]),
+      tx=optax.sgd(0.05, momentum=0.9))
+
+  def step(state, batch):
+    def loss_fn(params):
+      out = state.apply_fn(params, batch["x"], rngs={"dropout": batch["key"]})
+      return jnp.mean((out - batch["y"]) ** 2)
+
+    loss, grads = jd.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  return step, make_state, batch
+
+
 def contrastive():
   """(step, make_state, batch): two linear encoders trained with a CLIP-style loss over
   the batch's similarity matrix (every example is a negative of every other: the step

@@ -15,8 +15,8 @@ from jax import value_and_grad as bound_value_and_grad  # jax's own, bound at im
 
 import jaxdist as jd
 from jaxdist import errors, models, rng
-from helpers import (assert_trees_close, contrastive, outside_gradient_step, squared_error_step,
-                     to_host)
+from helpers import (assert_trees_close, contrastive, dropout_key_step, outside_gradient_step,
+                     squared_error_step, to_host)
 
 METHODS = [jd.DataParallel, jd.Zero2Parallel, jd.Zero3Parallel]
 
@@ -695,28 +695,7 @@ def test_a_dropout_key_in_the_batch_dict_is_shared_by_the_whole_batch(method):
   has no examples to split (it raised BatchDivisibilityError under every method but
   ShardParallel without micro-batches); the whole batch shares it, and each micro-batch
   draws its rows of the whole batch's dropout mask."""
-  batch = models.regression_batch(64, 32)
-  batch["key"] = jax.random.key(5)
-
-  class Net(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      x = nn.Dropout(0.5, deterministic=False)(nn.relu(nn.Dense(64)(x)))
-      return nn.Dense(8)(x)
-
-  model = Net()
-  make = lambda: train_state.TrainState.create(
-      apply_fn=model.apply, params=model.init(jax.random.key(1), batch["x"]),
-      tx=optax.sgd(0.05, momentum=0.9))
-
-  def step(state, batch):
-    def loss_fn(params):
-      out = state.apply_fn(params, batch["x"], rngs={"dropout": batch["key"]})
-      return jnp.mean((out - batch["y"]) ** 2)
-
-    loss, grads = jd.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), loss
-
+  step, make, batch = dropout_key_step()
   expected = jax.jit(step)(make(), batch)
   actual = jd.parallelize(step, method=method)(make(), batch)
   assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6)

@@ -16,6 +16,7 @@ import optax
 import pytest
 
 from jaxdist import models
+from helpers import dropout_key_step
 
 HERE = os.path.dirname(__file__)
 
@@ -62,6 +63,9 @@ def test_two_process_data_parallel_matches_single_process():
   for name in ("dp", "zero2_k2"):
     np.testing.assert_allclose(result[name]["losses"], losses, rtol=1e-5, err_msg=name)
     np.testing.assert_allclose(result[name]["kernel_sum"], kernel_sum, rtol=1e-5, err_msg=name)
+  step, make_state, batch = dropout_key_step()  # (its key placed on every process)
+  np.testing.assert_allclose(result["dropout_key"], jax.jit(step)(make_state(), batch)[1],
+                             rtol=1e-5)
 
 
 def _serial_gpt_steps():
