@@ -81,6 +81,11 @@ bitcast_convert_type
 # the draws stay written (``Timeline(draws_in_readers=False)``).
 THREEFRY = frozenset({"random_bits", "threefry2x32"})
 THREEFRY_STATE = 7
+# XLA:CPU hands a reduction of 4096 elements or more (per device) to its library
+# (YNNPACK) fusion, which reads its computed operands written; a smaller one is a loop
+# fusion that recomputes them (measured on LayerNorm backwards: 4000 and 4032 elements
+# recomputed, 4096 and 4100 written).
+CPU_LIBRARY_REDUCE = 4096
 # Readers of a transposed weight gradient for which XLA holds one buffer (Timeline).
 ACCUMULATING = frozenset({*jaxpr_util.MARKERS, "add", "add_any"})
 IN_PLACE = frozenset({"scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter-min",
@@ -196,7 +201,10 @@ class Timeline:
         j = made_at.get(ins[0]) if ins else None
         if j is not None and self.eqns[j][0].primitive.name == "dot_general":
           fused[j] = False
-    self._recompute_cheap_values(fused, bitcast, readers, last, inputs, outputs, made_at)
+    small = ((lambda v: base(v) < CPU_LIBRARY_REDUCE * max(v.aval.dtype.itemsize, 1))
+             if platform == "cpu" else (lambda v: False))
+    self._recompute_cheap_values(fused, bitcast, readers, last, inputs, outputs, made_at,
+                                 small)
     if regions is not None:  # nothing fuses across a loop's iterations or its boundary
       region = [regions(eqn) for eqn, _, _ in self.eqns]
       for i, (_, ins, _) in enumerate(self.eqns):
@@ -285,7 +293,7 @@ class Timeline:
       self._make_input_only_values_early(static, inputs - set(late_inputs))
 
   def _recompute_cheap_values(self, fused, bitcast, readers, last, inputs, outputs,
-                              made_at) -> None:
+                              made_at, small: Callable[[object], bool]) -> None:
     """A cheap elementwise value read by several elementwise ops or reductions, computed
     from one full-size array that is written anyway and read at least as late as it is
     (and from small ones): XLA recomputes it in every fusion that reads it instead of
@@ -294,7 +302,14 @@ class Timeline:
     SiLU's forward and backward: written, a GroupNorm conv net's estimates were 1.07x
     (DataParallel) and 1.14x (ZeRO-3) of XLA's bytes, a WideResNet's at 32 px 1.11x
     and 1.16x. Not a sum of two full-size arrays (a residual connection), which XLA
-    writes."""
+    writes. A ``small`` value (on CPU, under :data:`CPU_LIBRARY_REDUCE` elements per
+    device) is recomputed even where the full-size array it reads would die first, or
+    where it reads none (a broadcast product of small arrays): its readers, reductions
+    included, are loop fusions that read that array instead (LayerNorm's ``x - mean``
+    and ``rsqrt · scale``, read by the backward; written, an encoder-decoder with
+    [4, 12, 64] activations per device was estimated at 1.09x / 1.27x of XLA's bytes
+    under DataParallel / ZeRO-3). From that size on, its reductions are library fusions,
+    which read it written."""
     through = lambda j: fused[j] or bitcast[j]
 
     for i, (eqn, _, outs) in enumerate(self.eqns):
@@ -307,8 +322,11 @@ class Timeline:
         continue
       read = list(self._fusion_inputs(i, made_at, through))
       full = [v for v in read if v.aval.size >= o.aval.size]
-      if (len(full) == 1 and sum(v.aval.size for v in read) <= 1.25 * o.aval.size
-          and (full[0] in inputs or last.get(full[0], -1) >= last.get(o, -1))):
+      if sum(v.aval.size for v in read) > 1.25 * o.aval.size:
+        continue
+      if small(o):
+        fused[i] = len(full) <= 1
+      elif len(full) == 1 and (full[0] in inputs or last.get(full[0], -1) >= last.get(o, -1)):
         fused[i] = True
 
   def _fusion_inputs(self, i: int, made_at: dict, through):
