@@ -448,6 +448,26 @@ class Timeline:
                     for v in arrays(ins))):
         self.buffers[outs[0]][0] = 0
 
+  def hoist_invariant_values(self, invariant_inputs, end: int) -> None:
+    """What the jaxpr computes from ``invariant_inputs`` alone (the parameters of a
+    micro-batch loop running positions ``[0, end]``), XLA's loop-invariant code motion
+    computes once before the loop, and it lives through every iteration: a bf16 cast of
+    each kernel. Measured on an encoder-decoder computing in bf16 with 2 micro-batches
+    under DataParallel: all its kernels' casts live beside the loop (0.86x of XLA's bytes
+    with each cast alive to its last reader only, 0.95x now). Not the copies layout
+    assignment makes later (a kernel transposed for the backward's dot, ``relaid``): a
+    GPT's DataParallel estimate with 2 micro-batches went from 1.00x to 1.05x of XLA's
+    bytes counting them alive to the program's end."""
+    invariant = set(invariant_inputs)
+    for eqn, ins, outs in self.eqns:
+      arrays = [v for v in ins if not isinstance(v, jex.Literal)]
+      if arrays and eqn.primitive.name not in LOOPS and all(v in invariant for v in arrays):
+        invariant.update(outs)
+    for value in invariant & self.buffers.keys():
+      buffer = self.buffers[value]
+      if buffer[0] <= end:
+        buffer[:2] = [0, max(buffer[1], end)]
+
   def _reuse_dying_operands(self, fused, end, inputs, outputs) -> None:
     """An elementwise op writes its result into the buffer of an operand of the same
     shape that dies there (XLA's buffer assignment shares a loop fusion's output with

@@ -614,6 +614,22 @@ def test_bf16_compute_is_sized_as_the_cpu_backend_stores_it(method, tolerance):
   assert abs(est.memory_per_device - compiled) <= tolerance * compiled, est.summary()
 
 
+@pytest.mark.parametrize("method", [jd.DataParallel(num_micro_batches=2),
+                                    jd.Zero2Parallel(num_micro_batches=2)], ids=["dp", "zero2"])
+def test_bf16_casts_of_parameters_are_hoisted_out_of_the_micro_batch_loop(method):
+  """With micro-batches XLA casts each f32 kernel to bf16 once, before the loop, and the
+  casts live through it; each micro-batch's bf16 weight gradient is cast back to f32
+  inside the accumulator's add. Counting neither (each cast alive to its last reader,
+  each gradient's f32 cast written), this MLP's ZeRO-2 estimate was 0.94x of XLA's
+  bytes (an encoder-decoder's DataParallel one 0.86x)."""
+  data = models.regression_batch(64, 256, out=256)
+  state = models.create_state(_HalfMLP(), data["x"], tx=optax.adam(1e-3))
+  est = jd.estimate(models.regression_step(jd.value_and_grad), state, data, method=method,
+                    compile=True)
+  compiled = est.compiled["total"]
+  assert abs(est.memory_per_device - compiled) <= 0.03 * compiled, est.summary()
+
+
 class _PooledCNN(nn.Module):
   @nn.compact
   def __call__(self, x):
