@@ -1,11 +1,15 @@
 """Fitting the step-time estimate to the present devices: ``jaxdist.calibrate``.
 
 An estimate's compute time is ``overhead + flops · seconds_per_flop + bytes ·
-seconds_per_byte`` (flops of dots and convolutions, bytes its buffers write and the
-state it reads; see ``jaxdist.estimate``). Without a profile the two rates are the
-device kind's peak flops and memory bandwidth, which real steps never reach. A profile
-measures a few reference steps (the MLP and GPT of ``jaxdist.models`` at two sizes each,
-DataParallel over the devices), and fits the three coefficients (non-negative least
+seconds_per_byte + kernels · seconds_per_kernel`` (flops of dots and convolutions, bytes
+its buffers write and the state it reads, the buffers it writes: see
+``jaxdist.estimate``). Without a profile the two rates are the device kind's peak flops
+and memory bandwidth, which real steps never reach, and kernels cost nothing. The kernel
+term is what a step of many small ops is made of: an encoder-decoder with [4, 12, 64]
+activations per device, 623 written buffers, ran 52 ms per step on 8 simulated CPU
+devices, estimated 9 ms by flops and bytes alone (37 ms with the term). A profile
+measures a few reference steps (the MLP and GPT of ``jaxdist.models`` at a few sizes,
+DataParallel over the devices), and fits the four coefficients (non-negative least
 squares on the measured time less the estimated communication, each step weighted by
 the inverse of its time: the fit minimizes relative errors, so a 16 ms step counts as
 much as a 600 ms one; unweighted, the slowest steps decided the fit and the fastest were
@@ -56,7 +60,8 @@ import numpy as np
 
 from jaxdist import cache_dir
 
-VERSION = 5  # 3: reference steps with jaxdist.value_and_grad; 4: sync costs; 5: sync share fitted
+VERSION = 6  # 3: reference steps with jaxdist.value_and_grad; 4: sync costs; 5: sync share
+# fitted; 6: a cost per kernel
 # The references also run under Zero2Parallel (their many collectives give the sync share).
 SYNC_REFERENCES = ("mlp-256x16", "mlp-512x8", "gpt-128x2", "gpt-256x2")
 log = logging.getLogger("jaxdist.estimate")
@@ -67,7 +72,8 @@ class Profile:
   """Fitted compute-time coefficients for one platform, device kind and device count.
 
   Attributes:
-    seconds_per_flop, seconds_per_byte, overhead_s: the fitted coefficients.
+    seconds_per_flop, seconds_per_byte, overhead_s, seconds_per_kernel: the fitted
+      coefficients.
     points: per reference step, its name, measured and fitted seconds.
     created: when it was measured (ISO date and time, UTC).
     path: where it is stored.
@@ -90,9 +96,11 @@ class Profile:
   beta_s_per_byte: float | None = None
   sync_fraction: float | None = None
   sync_cap_s: float | None = None
+  seconds_per_kernel: float = 0.0
 
-  def compute_seconds(self, flops: float, nbytes: float) -> float:
-    return self.overhead_s + flops * self.seconds_per_flop + nbytes * self.seconds_per_byte
+  def compute_seconds(self, flops: float, nbytes: float, kernels: float = 0.0) -> float:
+    return (self.overhead_s + flops * self.seconds_per_flop + nbytes * self.seconds_per_byte
+            + kernels * self.seconds_per_kernel)
 
   def sync_seconds(self, compute_s: float, collectives: float) -> float:
     return sync_seconds(self.sync_fraction, self.sync_cap_s, compute_s, collectives)
@@ -199,14 +207,14 @@ def measure(devices, steps: int = 5, rounds: int = 3,
   profile = Profile(
       platform=devices[0].platform, device_kind=str(getattr(devices[0], "device_kind", "")),
       num_devices=n, seconds_per_flop=float(coef[0]), seconds_per_byte=float(coef[1]),
-      overhead_s=float(coef[2]),
+      overhead_s=float(coef[2]), seconds_per_kernel=float(coef[3]),
       points=tuple((r[0], float(t), float(ft)) for (r, _), t, ft in zip(plain, y, fitted)),
       created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       jax_version=jax.__version__, path=str(profile_path(devices)), alpha_s=alpha,
       beta_s_per_byte=beta, sync_fraction=fraction if n > 1 else None, sync_cap_s=cap)
   for (name, est, *_), t in plain:
-    log.info("calibration %s: %.3f ms measured, %.3g flops, %.3g bytes", name, t * 1e3,
-             est.flops, est.bytes_accessed)
+    log.info("calibration %s: %.3f ms measured, %.3g flops, %.3g bytes, %d kernels", name,
+             t * 1e3, est.flops, est.bytes_accessed, est.kernels)
   return profile, [float(np.median(t)) for t in per_round[len(runs):]]
 
 
@@ -215,15 +223,16 @@ def _count(est) -> int:
 
 
 def _compute(coef, est) -> float:
-  return float(coef[0] * est.flops + coef[1] * est.bytes_accessed + coef[2])
+  return float(coef[0] * est.flops + coef[1] * est.bytes_accessed + coef[2]
+               + coef[3] * est.kernels)
 
 
 def _fit(rows) -> np.ndarray:
-  """Non-negative (seconds per flop, per byte, overhead) of ``(estimate, seconds)`` rows,
-  each weighted by the inverse of its seconds (relative errors)."""
+  """Non-negative (seconds per flop, per byte, overhead, per kernel) of ``(estimate,
+  seconds)`` rows, each weighted by the inverse of its seconds (relative errors)."""
   from scipy.optimize import nnls
 
-  a = np.array([[est.flops, est.bytes_accessed, 1.0] for est, _ in rows])
+  a = np.array([[est.flops, est.bytes_accessed, 1.0, est.kernels] for est, _ in rows])
   y = np.array([max(t, 0.0) for _, t in rows])
   scale = a.max(axis=0)
   weight = 1.0 / np.maximum(y, 1e-6)
@@ -347,9 +356,12 @@ def _reference_steps(n: int, models, optax):
     state = models.create_state(models.MLP(hidden=hidden, num_layers=4, out=hidden), data["x"],
                                 tx=optax.adam(1e-3))
     yield f"mlp-{hidden}x{rows}", (models.regression_step(value_and_grad), state, data)
-  for width, rows in ((128, 2), (256, 2), (256, 8)):
-    config = models.GPTConfig(vocab=512, width=width, heads=4, depth=2, seq_len=64)
+  # (the last: many small ops, whose time is mostly the kernels' fixed cost)
+  for width, rows, depth, seq in ((128, 2, 2, 64), (256, 2, 2, 64), (256, 8, 2, 64),
+                                  (64, 2, 8, 16)):
+    config = models.GPTConfig(vocab=512, width=width, heads=4, depth=depth, seq_len=seq)
     batch = models.token_batch(rows * n, config)
     state = models.create_state(models.GPT(config), batch["tokens"][:, :-1],
                                 tx=optax.adam(1e-3))
-    yield f"gpt-{width}x{rows}", (models.lm_step(value_and_grad), state, batch)
+    name = f"gpt-{width}x{rows}" + (f"-depth{depth}" if depth != 2 else "")
+    yield name, (models.lm_step(value_and_grad), state, batch)

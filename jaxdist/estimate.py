@@ -74,6 +74,8 @@ class Estimate:
     compiled: with ``compile=True``: XLA's ``argument``, ``output``, ``alias``,
       ``temp`` and ``total`` bytes per device for the same plan; else None.
     flops: dot and convolution flops per device and step.
+    kernels: the programs' written values per device and step (each a kernel XLA runs,
+      roughly: on CPU each costs a fixed time, which a step of many small ops is made of).
     bytes_accessed: bytes per device and step that buffers write (each non-fused value
       once) plus the state and batch read.
     approximate: True where the memory model is known to be loose (DataParallel/ZeRO on
@@ -107,6 +109,7 @@ class Estimate:
   stages: tuple = ()
   compiled_collectives: dict[str, dict[str, float]] | None = None
   timings: dict[str, float] = dataclasses.field(default_factory=dict)
+  kernels: float = 0.0
 
   def summary(self) -> str:
     mib = 2.0**20
@@ -327,7 +330,7 @@ def estimate_planned(method: m.Method, planned, micro_step, calibrated: bool = T
                  f"{profile.alpha_s * 1e6:.3g} µs, {1e-9 / max(profile.beta_s_per_byte, 1e-30):.3g} "
                  f"GB/s (the mesh has its device kind's default costs)")
   communication = communication_seconds(collectives, links)
-  compute = compute_seconds(profile, work.flops, written, lmesh)
+  compute = compute_seconds(profile, work.flops, written, lmesh, work.kernels)
   if profile is not None:
     notes.append(f"compute time calibrated by {profile.path} ({profile.created})")
     if links is not lmesh and profile.sync_fraction:
@@ -343,7 +346,7 @@ def estimate_planned(method: m.Method, planned, micro_step, calibrated: bool = T
                    None if planned.shard_plan is not None else collectives)
   return Estimate(method.name, sum(breakdown.values()), breakdown, compute + communication,
                   compute, communication, collectives, plan, tuple(notes), None,
-                  work.flops, written, approximate)
+                  work.flops, written, approximate, kernels=work.kernels)
 
 
 # What XLA's conditional simplifier writes out: a two-branch conditional whose branches hold
@@ -386,13 +389,15 @@ def _update_loops_over_products(traced) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class _Work:
-  """One device's step: temporaries at the peak by part, flops, bytes its buffers write."""
+  """One device's step: temporaries at the peak by part, flops, bytes its buffers write,
+  how many buffers it writes."""
 
   temps: dict[str, float]
   flops: float
   written: float
   notes: tuple[str, ...] = ()
   approximate: bool = False
+  kernels: float = 0.0
 
 
 def _bytes(shape, dtype) -> float:
@@ -604,7 +609,8 @@ def _split_step(planned, closed, size=nbytes, gathered_inputs=None, hoisted=None
   flops = k * sum(jaxpr_util.eqn_flops(e) for e, _, _ in timeline.eqns)
   written = k * sum(b for _, _, b in timeline.buffers.values())
   return _Work(temps, flops, written, tuple(notes), approximate=marker is None and k == 1
-               and any(l.role == PARAM for l in planned.traced.inputs))
+               and any(l.role == PARAM for l in planned.traced.inputs),
+               kernels=k * len(timeline.buffers))
 
 
 def _scattered_over_batch_dim(transpose, made: dict, spec) -> bool:
@@ -1022,6 +1028,7 @@ def _shard_parallel(planned):
     regions = lambda eqn: region.get(id(eqn))
   timeline = Timeline(jaxpr, size, lmesh.devices[0].platform, regions=regions)
   written = sum(b for _, _, b in timeline.buffers.values())
+  kernels = len(timeline.buffers)
   marker = next((e for e, _, _ in timeline.eqns
                  if e.primitive.name == jaxpr_util.IDENTITY_MARKER), None)
   labels, early = {}, collections.Counter()
@@ -1047,7 +1054,7 @@ def _shard_parallel(planned):
     pos = timeline.position[id(eqn)]
     timeline.add(("collective", k, kind, len(timeline.buffers)), pos, pos, b)
   temps = _parts(timeline, labels, _forward_end(timeline, marker))
-  return _Work(temps, _planned_flops(plan), written)
+  return _Work(temps, _planned_flops(plan), written, kernels=kernels)
 
 
 def _early_copies(result, timeline: Timeline, marker) -> list[tuple[int, float, set]]:
@@ -1235,11 +1242,12 @@ def _compute_shards(strategy, sizes, out_shards) -> int:
   return max(out_shards * reduced, 1)
 
 
-def compute_seconds(profile, flops: float, written: float, lmesh) -> float:
-  """One device's seconds for ``flops`` and ``written`` bytes: at the calibration
-  ``profile``'s rates, or (None) at ``lmesh``'s peak flops and memory bandwidth."""
+def compute_seconds(profile, flops: float, written: float, lmesh, kernels: float = 0.0) -> float:
+  """One device's seconds for ``flops``, ``written`` bytes and ``kernels`` run: at the
+  calibration ``profile``'s rates, or (None) at ``lmesh``'s peak flops and memory
+  bandwidth."""
   if profile is not None:
-    return profile.compute_seconds(flops, written)
+    return profile.compute_seconds(flops, written, kernels)
   return flops / lmesh.peak_flops + written / CostModel(lmesh).memory_bandwidth
 
 

@@ -92,18 +92,19 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
       # accumulator is all-reduced once per step (the stage's ``reduce``).
       lmesh = result.layout.logical_mesh
       links = measured_links(profile, lmesh)
-      part, flops, written, collectives = _per_device_work(
+      part, flops, written, collectives, kernels = _per_device_work(
           per_device, st.mesh.devices[0].platform, exe._frozen)
       reduced = {"count": 1.0, "result_bytes": part["grads"]}
       reductions[_devices(lmesh)] = (reduced, communication_seconds({"all-reduce": reduced},
                                                                     links))
-      compute = compute_seconds(profile, flops, written, lmesh)
+      compute = compute_seconds(profile, flops, written, lmesh, kernels)
       communication = communication_seconds(collectives, links)
       if profile is not None and links is not lmesh:
         communication += profile.sync_seconds(compute, sum(c["count"]
                                                            for c in collectives.values()))
       est = dataclasses.replace(est, compute_s=compute, communication_s=communication,
-                                collectives=collectives, flops=flops, bytes_accessed=written)
+                                collectives=collectives, flops=flops, bytes_accessed=written,
+                                kernels=kernels)
     held = sum(device_bytes(a) for a in st.in_avals) * max(in_flight[s] - 1, 0)
     program = sum(part.values())
     breakdown = dict(params=part["params"], optimizer=exe.optimizer_bytes(st),
@@ -193,7 +194,7 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
                   tuple(notes), compiled, sum(e.flops for e in estimates) * k,
                   sum(e.bytes_accessed for e in estimates) * k,
                   exe.spmd_runtime or any(e.approximate for e in estimates), tuple(stages),
-                  timings=timings)
+                  timings=timings, kernels=sum(e.kernels for e in estimates) * k)
 
 
 def _bubble_share(stages, platform: str) -> float:
@@ -270,7 +271,7 @@ def _per_device_work(pd, platform: str, frozen: frozenset):
   counts them: its buffers, inputs and outputs), and the collectives of its forward and
   backward per micro-batch (kind → count and result bytes: all-reduces of the loss
   outputs and of the cotangents of inputs every device holds alike, one per element
-  type, as ``predict.py`` counts them)."""
+  type, as ``predict.py`` counts them), and the buffers it writes."""
   forward, backward, diff, float_in, float_out = stage_functions(pd.loss, pd.stage,
                                                                  frozen=frozen)
   del forward
@@ -299,7 +300,7 @@ def _per_device_work(pd, platform: str, frozen: frozenset):
   flops = sum(jaxpr_util.eqn_flops(e) for e, _, _ in timeline.eqns)
   written = (sum(b for _, _, b in timeline.buffers.values()) + sum(parts.values())
              - parts["temporaries"])
-  return parts, flops, written, collectives
+  return parts, flops, written, collectives, len(timeline.buffers)
 
 
 def _accumulating_early(result):
