@@ -7,7 +7,7 @@ its buffers write and the state it reads, the buffers it writes: see
 and memory bandwidth, which real steps never reach, and kernels cost nothing. The kernel
 term is what a step of many small ops is made of: an encoder-decoder with [4, 12, 64]
 activations per device, 623 written buffers, ran 52 ms per step on 8 simulated CPU
-devices, estimated 9 ms by flops and bytes alone (37 ms with the term). A profile
+devices, estimated 10.4 ms by flops and bytes alone (46.5 ms with the term). A profile
 measures a few reference steps (the MLP and GPT of ``jaxdist.models`` at a few sizes,
 DataParallel over the devices), and fits the four coefficients (non-negative least
 squares on the measured time less the estimated communication, each step weighted by

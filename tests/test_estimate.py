@@ -219,8 +219,9 @@ def test_the_sync_share_pairs_zero2_with_dataparallel_round_by_round():
 def test_the_fit_charges_each_kernel_a_fixed_time():
   """A step of many small ops costs its kernels' fixed time, which neither its flops nor its
   bytes show: an encoder-decoder with [4, 12, 64] activations per device (623 written
-  buffers) ran 52 ms per step on 8 simulated CPU devices and was estimated at 9 ms by
-  flops and bytes alone. References whose times are 50 µs per kernel give that back."""
+  buffers) ran 52 ms per step on 8 simulated CPU devices and was estimated from its
+  flops and bytes alone (10.4 ms). References whose times are 50 µs per kernel give that
+  back."""
   from types import SimpleNamespace
   rows = [(SimpleNamespace(flops=f, bytes_accessed=b, kernels=k), 1e-9 * f + 5e-5 * k)
           for f, b, k in ((1e7, 1e6, 30), (4e8, 4e7, 30), (1e8, 1e7, 600), (2e9, 1e8, 240))]
