@@ -7,7 +7,10 @@ its buffers write and the state it reads, the buffers it writes: see
 and memory bandwidth, which real steps never reach, and kernels cost nothing. The kernel
 term is what a step of many small ops is made of: an encoder-decoder with [4, 12, 64]
 activations per device, 623 written buffers, ran 52 ms per step on 8 simulated CPU
-devices, estimated 10.4 ms by flops and bytes alone (46.5 ms with the term). A profile
+devices, estimated 10.4 ms by flops and bytes alone (46.5 ms with the term). It is
+not a launch cost: with 2 and 4 micro-batches, each running every kernel on its part of
+the batch, that step took 46.2 and 48.4 ms under ShardParallel (43.9 ms without), so
+an estimate counts the kernels of one micro-batch's program once per step. A profile
 measures a few reference steps (the MLP and GPT of ``jaxdist.models`` at a few sizes,
 DataParallel over the devices), and fits the four coefficients (non-negative least
 squares on the measured time less the estimated communication, each step weighted by

@@ -610,7 +610,7 @@ def _split_step(planned, closed, size=nbytes, gathered_inputs=None, hoisted=None
   written = k * sum(b for _, _, b in timeline.buffers.values())
   return _Work(temps, flops, written, tuple(notes), approximate=marker is None and k == 1
                and any(l.role == PARAM for l in planned.traced.inputs),
-               kernels=k * len(timeline.buffers))
+               kernels=len(timeline.buffers))  # (not x k: see calibration's docstring)
 
 
 def _scattered_over_batch_dim(transpose, made: dict, spec) -> bool:

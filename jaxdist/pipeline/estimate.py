@@ -86,6 +86,9 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
       # (per shard of the batch, the other axes as planned: the plan's figures hold)
       part = dict(est.breakdown)
       part["grads"] += part.pop("optimizer")  # the backward's donated gradient accumulator
+      if profile is not None:  # its kernels once per step, as every step's (calibration)
+        est = dataclasses.replace(est, kernels=est.kernels / k, compute_s=est.compute_s
+                                  - (1 - 1 / k) * est.kernels * profile.seconds_per_kernel)
     else:
       # The programs that run are the per-device ones: per micro-batch they all-reduce
       # only the loss outputs and the cotangents of inputs every device holds alike; the
@@ -97,14 +100,14 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
       reduced = {"count": 1.0, "result_bytes": part["grads"]}
       reductions[_devices(lmesh)] = (reduced, communication_seconds({"all-reduce": reduced},
                                                                     links))
-      compute = compute_seconds(profile, flops, written, lmesh, kernels)
+      compute = compute_seconds(profile, flops, written, lmesh, kernels / k)
       communication = communication_seconds(collectives, links)
       if profile is not None and links is not lmesh:
         communication += profile.sync_seconds(compute, sum(c["count"]
                                                            for c in collectives.values()))
       est = dataclasses.replace(est, compute_s=compute, communication_s=communication,
                                 collectives=collectives, flops=flops, bytes_accessed=written,
-                                kernels=kernels)
+                                kernels=kernels / k)
     held = sum(device_bytes(a) for a in st.in_avals) * max(in_flight[s] - 1, 0)
     program = sum(part.values())
     breakdown = dict(params=part["params"], optimizer=exe.optimizer_bytes(st),
