@@ -74,8 +74,9 @@ class Estimate:
     compiled: with ``compile=True``: XLA's ``argument``, ``output``, ``alias``,
       ``temp`` and ``total`` bytes per device for the same plan; else None.
     flops: dot and convolution flops per device and step.
-    kernels: the programs' written values per device and step (each a kernel XLA runs,
-      roughly: on CPU each costs a fixed time, which a step of many small ops is made of).
+    kernels: the values one device's program writes (each roughly a kernel XLA runs; with
+      micro-batches, one micro-batch's program, counted once per step): the calibration
+      charges each a fitted time, what a step of many small ops is made of.
     bytes_accessed: bytes per device and step that buffers write (each non-fused value
       once) plus the state and batch read.
     approximate: True where the memory model is known to be loose (DataParallel/ZeRO on
