@@ -359,7 +359,7 @@ def _reference_steps(n: int, models, optax):
     state = models.create_state(models.MLP(hidden=hidden, num_layers=4, out=hidden), data["x"],
                                 tx=optax.adam(1e-3))
     yield f"mlp-{hidden}x{rows}", (models.regression_step(value_and_grad), state, data)
-  # (the last: many small ops, whose time is mostly the kernels' fixed cost)
+  # (the last: many small ops, whose time is mostly its kernels')
   for width, rows, depth, seq in ((128, 2, 2, 64), (256, 2, 2, 64), (256, 8, 2, 64),
                                   (64, 2, 8, 16)):
     config = models.GPTConfig(vocab=512, width=width, heads=4, depth=depth, seq_len=seq)

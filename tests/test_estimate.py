@@ -216,8 +216,8 @@ def test_the_sync_share_pairs_zero2_with_dataparallel_round_by_round():
   assert calibration._sync_fraction(coef, measured) == pytest.approx(0.2)
   assert calibration._sync_fraction(coef, measured[:1]) == 0.0  # no ZeRO-2 runs: none
 
-def test_the_fit_charges_each_kernel_a_fixed_time():
-  """A step of many small ops costs its kernels' fixed time, which neither its flops nor its
+def test_the_fit_charges_each_kernel_a_time():
+  """A step of many small ops costs a time per kernel, which neither its flops nor its
   bytes show: an encoder-decoder with [4, 12, 64] activations per device (623 written
   buffers) ran 52 ms per step on 8 simulated CPU devices and was estimated from its
   flops and bytes alone (10.4 ms). References whose times are 50 µs per kernel give that

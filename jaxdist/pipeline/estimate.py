@@ -82,18 +82,18 @@ def estimate_pipeline(func, args, compile: bool = False, calibrated: bool = True
     planned = Planned(result.step, result.step, result.layout, result, (), {})
     est = estimate_planned(method, planned, None, calibrated, exe._lmesh.devices)
     per_device = exe._per_device(st)
+    lmesh = result.layout.logical_mesh
+    # (a stage's kernels count once per step, not per micro-batch: see jaxdist.calibration)
     if isinstance(per_device, str) or per_device.axes:
       # (per shard of the batch, the other axes as planned: the plan's figures hold)
       part = dict(est.breakdown)
       part["grads"] += part.pop("optimizer")  # the backward's donated gradient accumulator
-      if profile is not None:  # its kernels once per step, as every step's (calibration)
-        est = dataclasses.replace(est, kernels=est.kernels / k, compute_s=est.compute_s
-                                  - (1 - 1 / k) * est.kernels * profile.seconds_per_kernel)
+      est = dataclasses.replace(est, kernels=est.kernels / k, compute_s=compute_seconds(
+          profile, est.flops, est.bytes_accessed, lmesh, est.kernels / k))
     else:
       # The programs that run are the per-device ones: per micro-batch they all-reduce
       # only the loss outputs and the cotangents of inputs every device holds alike; the
       # accumulator is all-reduced once per step (the stage's ``reduce``).
-      lmesh = result.layout.logical_mesh
       links = measured_links(profile, lmesh)
       part, flops, written, collectives, kernels = _per_device_work(
           per_device, st.mesh.devices[0].platform, exe._frozen)
