@@ -581,14 +581,18 @@ class ParallelizedFunc:
                       f"(exact; XLA places its gradients' reduction).", errors.JaxdistWarning,
                       stacklevel=4)
         layout = data_parallel_layout(method, step, lmesh, whole_batch=untraced)
-      if layout.grad_reduce_specs is None and (untraced or batch_coupling(step)
-                                               or step.num_markers + step.unseen_gradients > 1):
-        # One program over the whole batch (its batch statistics reduced across devices, or
-        # several gradients: a Hessian-vector product's reduced beside the gradient's): the
-        # shard planner places its equations with the layout's inputs pinned, so that XLA
-        # compiles the collectives the plan predicts instead of choosing its own.
-        pinned = m.ShardParallel(devices=lmesh, plan=make_plan("ShardParallel", step, layout))
-        shard_plan = plan_shard_parallel(pinned, step, lmesh)
+      whole = layout.grad_reduce_specs is None and (
+          untraced or batch_coupling(step) or step.num_markers + step.unseen_gradients > 1)
+      if whole or (layout.num_micro_batches > 1 and not layout.batch_axes):
+        # One program over the whole batch or, with micro-batches, over each micro-batch
+        # (its batch statistics reduced across devices, or several gradients: a
+        # Hessian-vector product's reduced beside the gradient's): the shard planner places
+        # its equations with the layout's inputs pinned, so that XLA compiles the
+        # collectives the plan predicts instead of choosing its own.
+        pinned = m.ShardParallel(devices=lmesh, num_micro_batches=layout.num_micro_batches,
+                                 plan=make_plan("ShardParallel", step, layout))
+        shard_plan = plan_shard_parallel(pinned, step, lmesh,
+                                         micro_trace=lambda d: retrace(d).micro_jaxpr)
         step, layout = shard_plan.step, dataclasses.replace(shard_plan.layout, notes=(
             *layout.notes, "the shard planner placed the program's equations with these "
             "input layouts pinned (its predicted collectives are checked against XLA's)"))

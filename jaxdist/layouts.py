@@ -207,6 +207,7 @@ def data_parallel_layout(method: m.Method, step: TracedStep, lmesh: LogicalMesh,
     else:
       out_specs.append(REPLICATED)
   grad_reduce_specs = None
+  batch_axes = lmesh.axis_names
   per_device = uses_marker(method, step)
   coupled = batch_coupling(step) if per_device else None
   if whole_batch and per_device and micro_batches == 1:
@@ -220,11 +221,14 @@ def data_parallel_layout(method: m.Method, step: TracedStep, lmesh: LogicalMesh,
                  f"are computed over the whole batch as one program, as the single-device "
                  f"step does, not per device")
   elif coupled:
+    # Each micro-batch runs as one program over all devices (XLA reduces its statistics
+    # and its gradients across them), as accumulating by hand over the batch's k slices.
+    batch_axes = ()
     notes.append(f"the step mixes examples beyond the loss's mean ({coupled}); with "
-                 f"num_micro_batches={micro_batches} each micro-batch on each device uses its "
-                 f"own statistics")
-    warn_split(coupled, f"with num_micro_batches={micro_batches}, the micro-batches on each "
-                        f"device")
+                 f"num_micro_batches={micro_batches} each micro-batch (a 1/{micro_batches} "
+                 f"slice of the batch) runs as one program over all devices, its gradients "
+                 f"reduced by XLA in every micro-batch")
+    warn_split(coupled, f"with num_micro_batches={micro_batches}, the micro-batches")
   if per_device:
     marker = step.closed_jaxpr.jaxpr.eqns[step.marker_index]
     grad_reduce_specs = tuple(
@@ -236,5 +240,5 @@ def data_parallel_layout(method: m.Method, step: TracedStep, lmesh: LogicalMesh,
     stream = {k: spec for k, (leaf, spec) in enumerate(zip(step.inputs, in_specs))
               if leaf.role in (PARAM, INPUT) and spec != REPLICATED}
   return Layout(lmesh, tuple(in_specs), tuple(out_specs), tuple(out_constraints), tuple(notes),
-                num_micro_batches=micro_batches, batch_axes=lmesh.axis_names,
+                num_micro_batches=micro_batches, batch_axes=batch_axes,
                 grad_reduce_specs=grad_reduce_specs, stream_inputs=stream or None)

@@ -425,3 +425,41 @@ def test_a_branch_that_centers_on_the_batch_couples_examples():
   f = jd.parallelize(step, method=jd.DataParallel())
   assert_trees_close(f(params, batch, train), serial(step, params, batch, train),
                      rtol=1e-5, atol=1e-6)
+
+
+def _contrastive_loss(params, batch):
+  """CLIP's loss: each image's text is the positive, the batch's other texts negatives."""
+  zi, zt = jnp.tanh(batch["img"] @ params["wi"]), jnp.tanh(batch["txt"] @ params["wt"])
+  zi = zi / jnp.linalg.norm(zi, axis=-1, keepdims=True)
+  zt = zt / jnp.linalg.norm(zt, axis=-1, keepdims=True)
+  logits = 10.0 * zi @ zt.T
+  labels = jnp.arange(logits.shape[0])
+  return (optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+          + optax.softmax_cross_entropy_with_integer_labels(logits.T, labels).mean()) / 2
+
+
+@pytest.mark.parametrize("method", [jd.DataParallel, jd.Zero2Parallel, jd.Zero3Parallel,
+                                    jd.ShardParallel], ids=["dp", "zero2", "zero3", "sp"])
+def test_micro_batches_of_a_contrastive_step_are_slices_of_the_whole_batch(method):
+  """With micro-batches, a step whose examples meet (in-batch negatives) computes what
+  accumulating by hand over the batch's k slices computes. Before, each device ran its
+  own share of each micro-batch: 2 negatives per example instead of 8 (4e-3 off)."""
+  def step(params, batch):
+    loss, grads = jd.value_and_grad(_contrastive_loss)(params, batch)
+    return jax.tree.map(lambda p, g: p - 0.5 * g, params, grads), loss
+
+  def by_hand(params, batch, k=2):
+    n = batch["img"].shape[0] // k
+    parts = [jax.value_and_grad(_contrastive_loss)(
+        params, jax.tree.map(lambda x: x[i * n:(i + 1) * n], batch)) for i in range(k)]
+    grads = jax.tree.map(lambda *g: sum(g) / k, *[g for _, g in parts])
+    return (jax.tree.map(lambda p, g: p - 0.5 * g, params, grads),
+            sum(loss for loss, _ in parts) / k)
+
+  keys = jax.random.split(jax.random.key(0), 4)
+  params = {"wi": jax.random.normal(keys[0], (12, 16)), "wt": jax.random.normal(keys[1], (10, 16))}
+  batch = {"img": jax.random.normal(keys[2], (32, 12)), "txt": jax.random.normal(keys[3], (32, 10))}
+  expected = jax.jit(by_hand)(params, batch)
+  with pytest.warns(errors.ResultsDifferWarning, match="num_micro_batches=2, the micro-batches"):
+    got = jd.parallelize(step, method=method(num_micro_batches=2))(params, batch)
+  assert_trees_close(got, expected, rtol=1e-5, atol=1e-6)

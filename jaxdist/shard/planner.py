@@ -283,13 +283,20 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
   layout = layout_of(step, best, k)
   if k > 1:
     predicted = _micro_batch_predictions(step, best, layout, k, loop)
-    notes.append(f"num_micro_batches={k}: the gradient part runs {k} times (on 1/{k} of the "
-                 f"batch each), split over the batch axes {layout.batch_axes}; gradients are "
-                 f"reduced over them once, after the loop")
     coupled = batch_coupling(step)
     if coupled:
+      # Each micro-batch runs as one program over all devices, as accumulating by hand over
+      # the batch's k slices does (per device, a device's share would use its own statistics).
+      layout = dataclasses.replace(layout, batch_axes=())
       notes.append(f"the step mixes examples beyond the loss's mean ({coupled}); with "
-                   f"num_micro_batches={k} each micro-batch uses its own statistics")
+                   f"num_micro_batches={k} each micro-batch (a 1/{k} slice of the batch) runs "
+                   f"as one program over all devices, its gradients reduced by XLA in every "
+                   f"micro-batch (the predicted collectives count one reduction, after the "
+                   f"loop)")
+    else:
+      notes.append(f"num_micro_batches={k}: the gradient part runs {k} times (on 1/{k} of the "
+                   f"batch each), split over the batch axes {layout.batch_axes}; gradients are "
+                   f"reduced over them once, after the loop")
   rolled = None if regions is None else roll(
       rolled_jaxpr, origins, layout.eqn_constraints, layout.operand_constraints)
   if isinstance(rolled, str) and stand_ins:
