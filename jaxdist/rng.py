@@ -12,6 +12,7 @@ those (the same counters, offset), so dropout masks equal the single-device step
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Callable
 
 import jax
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend.random import threefry2x32_p
 
-from jaxdist import jaxpr_util
+from jaxdist import errors, jaxpr_util
 
 _UINT = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32}
 
@@ -121,10 +122,16 @@ def row_hooks(eqns, draws: dict, part: Callable, before=None, after=None, anchor
         outs = _call_with_rows(eqn, invals, draws[i], part)
       else:
         (dim, shape), width = draws[i], eqn.params["bit_width"]
+        size = eqn.params["shape"][dim]
         if supported(invals[0], width, shape):
-          size = eqn.params["shape"][dim]
           outs = [rows(invals[0], width, shape, dim, size, part() * size,
                        anchor[0] if i in anchored else None)]
+        else:
+          # Another generator (an rbg key's): its bits for a part of the shape are not the
+          # whole draw's rows. The whole batch's bits are drawn here and this part's kept.
+          _warn_whole_draw(invals[0], shape)
+          whole = eqn.primitive.bind(*invals, **{**eqn.params, "shape": tuple(shape)})
+          outs = [lax.dynamic_slice_in_dim(whole, part() * size, size, dim)]
     outs = after(i, outs) if after is not None else outs
     if anchored and (anchors is None or i in anchors):
       anchor[0] = next((o for o in outs if isinstance(o, jax.Array) and getattr(o, "size", 0)
@@ -132,6 +139,16 @@ def row_hooks(eqns, draws: dict, part: Callable, before=None, after=None, anchor
     return outs
 
   return keep_operands, draw_rows
+
+
+def _warn_whole_draw(key, shape) -> None:
+  warnings.warn(
+      f"random bits of shape {tuple(shape)} from an {jax.random.key_impl(key)} key are "
+      f"drawn whole on every device "
+      f"and micro-batch, which keeps its own rows (exact, but the whole batch's bits are "
+      f"computed each time); a threefry key (jax's default, with "
+      f"jax_threefry_partitionable) draws only the rows it needs.", errors.JaxdistWarning,
+      stacklevel=2)
 
 
 def _call_with_rows(eqn, invals, draws: dict, part: Callable) -> list:

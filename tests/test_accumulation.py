@@ -3,6 +3,7 @@
 Tolerances as in test_numerics.py (SGD + momentum: only summation order differs).
 """
 
+import functools
 import warnings
 
 import jax
@@ -273,15 +274,28 @@ def test_dropout_masks_are_the_full_batch_steps(method):
   """Each device's micro-batch draws its rows of the whole batch's dropout masks; before,
   every device and micro-batch drew the first rows' masks (the same mask on every device;
   an encoder-decoder's first loss was 0.2% off the serial step's)."""
+  _check_dropout_matches_serial(method, jax.random.key)
+
+
+@pytest.mark.parametrize("method", [jd.DataParallel(), jd.Zero3Parallel(num_micro_batches=2)],
+                         ids=["dp", "zero3-k2"])
+def test_dropout_from_an_rbg_key_matches_the_serial_step_and_warns(method):
+  """An rbg key's bits for a part of the shape are not the whole draw's rows: each device
+  draws the whole batch's bits and keeps its rows (before, its own draw: 1e-2 off serial)."""
+  with pytest.warns(errors.JaxdistWarning, match="drawn whole"):
+    _check_dropout_matches_serial(method, functools.partial(jax.random.key, impl="rbg"))
+
+
+def _check_dropout_matches_serial(method, make_key):
   model, data = _Dropout(), models.regression_batch(32, 16)
-  key = jax.random.key(0)
+  key = make_key(0)
   state = train_state.TrainState.create(
       apply_fn=model.apply, params=model.init({"params": key, "dropout": key}, data["x"]),
       tx=optax.sgd(0.1, momentum=0.9))
 
   def step_fn(value_and_grad):
     def train_step(state, batch):
-      rngs = {"dropout": jax.random.fold_in(jax.random.key(1), state.step)}
+      rngs = {"dropout": jax.random.fold_in(make_key(1), state.step)}
       def loss_fn(params):
         return jnp.mean((state.apply_fn(params, batch["x"], rngs=rngs) - batch["y"]) ** 2)
       loss, grads = value_and_grad(loss_fn)(state.params)
