@@ -355,6 +355,17 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
   pin = lambda x, i: x if i not in pinned else jax.lax.with_sharding_constraint(
       x, pinned[i] if inner_mesh is None else NamedSharding(inner_mesh, pinned[i]))
 
+  # Run as one program over all devices (no batch axes), micro-batch i is the batch's i-th
+  # 1/k slice, which lies on a 1/k of the devices: each is spread over all of them as the
+  # plan splits the batch, once, before the loop (else XLA gathers every slice in the loop
+  # and computes what reads it, a first conv's kernel gradient, whole on every device).
+  spread_specs = {i: PartitionSpec(None, *to_partition_spec(input_specs[k_in]))
+                  for i, (k_in, b) in enumerate(zip(split.grad_inputs, is_batch))
+                  if b and inner_mesh is not None and input_specs is not None
+                  and step.inputs[k_in].shape}
+  spread = lambda x, i: x if i not in spread_specs else jax.lax.with_sharding_constraint(
+      x, NamedSharding(inner_mesh, spread_specs[i]))
+
   # Marked values that are inputs the gradient part returns as they came in (the
   # parameters nnx.value_and_grad returns as its aux) are read outside the region: inside
   # it, a ZeRO-3 parameter is this device's shard, and a reduction would mix the shards;
@@ -367,7 +378,8 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
     if k == 1:
       sums, weight = grads_one(values)
     else:
-      micro = [x.reshape(k, x.shape[0] // k, *x.shape[1:]) for x, b in zip(values, is_batch) if b]
+      micro = [spread(x.reshape(k, x.shape[0] // k, *x.shape[1:]), i)
+               for i, (x, b) in enumerate(zip(values, is_batch)) if b]
 
       def body(acc, xs):
         micro_index[0], xs = xs

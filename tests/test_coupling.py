@@ -33,6 +33,20 @@ def test_batch_norm_step_matches_serial(method):
   assert not [line for line in exe.check_communication() if "DIFFERS" in line]
 
 
+def test_batch_norm_micro_batches_enter_the_loop_split_over_all_devices():
+  """Each 1/k slice of the batch lies on 1/k of the devices: it is spread over all of them
+  once, before the loop. Before, XLA gathered every slice in the loop and computed the
+  first conv's kernel gradient on the whole micro-batch on every device (a 2-block ResNet
+  under DataParallel(num_micro_batches=2): 6 all-gathers, 1.2 MB, none predicted)."""
+  step = wresnet.train_step(jd.value_and_grad)
+  batch = wresnet.batch(16, CONFIG)
+  f = jd.parallelize(step, method=jd.DataParallel(num_micro_batches=2))
+  with pytest.warns(errors.ResultsDifferWarning):
+    exe = f.get_executable(wresnet.create_state(CONFIG), batch)
+  assert "all-gather" not in exe.communication(), exe.check_communication()
+  assert not [line for line in exe.check_communication() if "DIFFERS" in line]
+
+
 def test_coupling_is_found_only_where_examples_mix():
   bn = trace_step(wresnet.train_step(jd.value_and_grad),
                   (wresnet.create_state(CONFIG), wresnet.batch(16, CONFIG)), (), (1,), "auto")
@@ -460,6 +474,11 @@ def test_micro_batches_of_a_contrastive_step_are_slices_of_the_whole_batch(metho
   params = {"wi": jax.random.normal(keys[0], (12, 16)), "wt": jax.random.normal(keys[1], (10, 16))}
   batch = {"img": jax.random.normal(keys[2], (32, 12)), "txt": jax.random.normal(keys[3], (32, 10))}
   expected = jax.jit(by_hand)(params, batch)
+  f = jd.parallelize(step, method=method(num_micro_batches=2))
   with pytest.warns(errors.ResultsDifferWarning, match="num_micro_batches=2, the micro-batches"):
-    got = jd.parallelize(step, method=method(num_micro_batches=2))(params, batch)
+    got = f(params, batch)
   assert_trees_close(got, expected, rtol=1e-5, atol=1e-6)
+  # Each slice is spread over all devices once, before the loop: its collectives, and the
+  # gradients' reduction in every micro-batch, are predicted.
+  exe = f.get_executable(params, batch)
+  assert not [line for line in exe.check_communication() if "DIFFERS" in line]

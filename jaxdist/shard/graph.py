@@ -412,7 +412,7 @@ def _price(graph: StrategyGraph, cost_model: CostModel, outvars, batch_axes):
     for t, s in enumerate(node.strategies):
       group_costs[node.group][t] += s.cost * node.weight
       for c in s.collectives:
-        alpha_repeat, bytes_repeat = ((loop.k, 1) if scaled else
+        alpha_repeat, bytes_repeat = ((loop.k, loop.own_bytes_repeat(node.eqn)) if scaled else
                                       (loop.k, loop.k) if looped and set(c[1]) - batch_axes
                                       else (1, 1))
         region = MICRO_LOOP if alpha_repeat > 1 else node.region

@@ -6,7 +6,9 @@ after it. The planner still plans the whole-batch step (its plan's constraints i
 that step's equations), so it prices what the loop changes:
 
 - a value the loop computes on the micro-batch (it carries the batch dimension) moves k
-  times, on 1/k of its bytes each: its collectives cost k α and the same bytes;
+  times, on its micro-batch share of its bytes each: its collectives cost k α and, for a
+  value linear in the batch, the same bytes (a contrastive loss's batch x batch logits:
+  1/k of them);
 - a value the loop computes per micro-batch without the batch dimension (a partial
   gradient resharded inside the loop) moves k times whole: k α and k times the bytes;
 - what no batch value reaches (a parameter) is the same in every iteration: XLA hoists
@@ -83,19 +85,21 @@ class MicroBatchLoop:
     shape, full = self.micro_shapes[v], getattr(v.aval, "shape", ())
     return 1.0 / self.k if shape is None else math.prod(shape) / max(math.prod(full), 1)
 
-  def own_bytes_repeat(self, eqn) -> int:
+  def own_bytes_repeat(self, eqn) -> float:
     """How often a looped equation's own collectives move their bytes per step once
-    compiled (over the axes left inside the loop): k where its outputs lost the batch
-    dimension (every micro-batch moves them whole), else 1 (1/k of them, k times)."""
-    if not self.runs_in_loop(eqn) or any(self.scaled(v) for v in eqn.outvars):
+    compiled (over the axes left inside the loop): k times its outputs' micro-batch share:
+    k where they lost the batch dimension (every micro-batch moves them whole), 1 where
+    they are linear in it (1/k of them, k times)."""
+    if not self.runs_in_loop(eqn):
       return 1
-    return self.k
+    shares = [self.fraction(v) for v in eqn.outvars if self.scaled(v)]
+    return self.k * max(shares) if shares else self.k
 
-  def repeats(self, v) -> tuple[int, int]:
+  def repeats(self, v) -> tuple[int, float]:
     """(α, bytes) multipliers of moving ``v`` inside the loop (see the module doc)."""
     if not self.varies(v):
       return 1, 1
-    return (self.k, 1) if self.scaled(v) else (self.k, self.k)
+    return self.k, self.k * self.fraction(v)
 
 
 def reduce_dim(spec, batch_axes: tuple[str, ...]) -> int | None:

@@ -282,7 +282,6 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
                   f"the lowest predicted step time of {len(shapes)} shapes searched"))
   layout = layout_of(step, best, k)
   if k > 1:
-    predicted = _micro_batch_predictions(step, best, layout, k, loop)
     coupled = batch_coupling(step)
     if coupled:
       # Each micro-batch runs as one program over all devices, as accumulating by hand over
@@ -290,10 +289,10 @@ def plan_shard_parallel(method: m.ShardParallel, step: TracedStep, base: Logical
       layout = dataclasses.replace(layout, batch_axes=())
       notes.append(f"the step mixes examples beyond the loss's mean ({coupled}); with "
                    f"num_micro_batches={k} each micro-batch (a 1/{k} slice of the batch) runs "
-                   f"as one program over all devices, its gradients reduced by XLA in every "
-                   f"micro-batch (the predicted collectives count one reduction, after the "
-                   f"loop)")
-    else:
+                   f"as one program over all devices, its collectives (the gradients' "
+                   f"reduction too) in every micro-batch")
+    predicted = _micro_batch_predictions(step, best, layout, k, loop)
+    if not coupled:
       notes.append(f"num_micro_batches={k}: the gradient part runs {k} times (on 1/{k} of the "
                    f"batch each), split over the batch axes {layout.batch_axes}; gradients are "
                    f"reduced over them once, after the loop")
@@ -631,6 +630,16 @@ def _micro_batch_predictions(step: TracedStep, plan: MeshPlan, layout: Layout, k
     add("collective-permute", len(permutes), sum(permutes))
   for kind, b in entry_moves:
     add(kind, 1, b)
+  if not layout.batch_axes:
+    # Run as one program over all devices, each batch leaf is moved once, before the loop,
+    # so that every 1/k slice is split as its rows were (jaxdist.accumulate): XLA moves the
+    # leaf's split dimension by an all-to-all and puts its parts in order by a permute.
+    for v, spec, leaf in zip(jaxpr.invars, plan.input_specs, step.inputs):
+      if leaf.role == BATCH and leaf.shape and num_shards(spec[:1], sizes) > 1:
+        moved = cost_model.combining.collective_bytes(nbytes(v) / num_shards(spec, sizes),
+                                                      v.aval.dtype)
+        add("all-to-all", 1, moved)
+        add("collective-permute", 1, moved)
   if shards > 1 and token_weighted(step):
     # The micro-batches' token counts, summed beside the gradients after the loop (these
     # are divided by it after their reduction): in their all-reduce where there is one.
