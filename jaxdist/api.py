@@ -556,15 +556,19 @@ class ParallelizedFunc:
     shard_plan = None
     if isinstance(method, m.FollowParallel):
       method, lmesh = follow.shard_method(method, step)
-    # The step at 1/divisor of the batch, inlined as the shard plan's equations are (the
-    # planner's micro-batch trace is the layout's too when the batch is not split).
-    inline = jaxpr_util.PLAN_INLINE if isinstance(method, m.ShardParallel) else ()
-    # (the planner ties recomputations in loops where the step compiles them unrolled)
-    tie = isinstance(method, m.ShardParallel) and (method.num_micro_batches or 1) > 1
-    batch = recursion_batch(step, method.num_micro_batches or 1) if tie else None
-    traced = step
-    retrace = functools.cache(lambda divisor: with_micro_batch_trace(
-        self.fun, args, static, traced, divisor, inline, tie, batch))
+    traced, k = step, method.num_micro_batches or 1
+
+    @functools.cache
+    def retrace(divisor, planned=isinstance(method, m.ShardParallel)):
+      """The step at 1/divisor of the batch; for the shard planner (``planned``) inlined
+      as its equations are and with recomputations in loops tied as it ties them where
+      the step compiles unrolled (its micro-batch trace is the layout's too when the batch
+      is not split)."""
+      tie = planned and k > 1
+      return with_micro_batch_trace(
+          self.fun, args, static, traced, divisor, jaxpr_util.PLAN_INLINE if planned else (),
+          tie, recursion_batch(traced, k) if tie else None)
+
     if isinstance(method, m.ShardParallel):
       shard_plan = plan_shard_parallel(method, step, lmesh,
                                        micro_trace=lambda d: retrace(d).micro_jaxpr)
@@ -591,6 +595,7 @@ class ParallelizedFunc:
         # collectives the plan predicts instead of choosing its own.
         pinned = m.ShardParallel(devices=lmesh, num_micro_batches=layout.num_micro_batches,
                                  plan=make_plan("ShardParallel", step, layout))
+        retrace = functools.partial(retrace, planned=True)
         shard_plan = plan_shard_parallel(pinned, step, lmesh,
                                          micro_trace=lambda d: retrace(d).micro_jaxpr)
         step, layout = shard_plan.step, dataclasses.replace(shard_plan.layout, notes=(
