@@ -1017,9 +1017,11 @@ def _shard_parallel(planned):
   graph, choice, lmesh = plan.graph, plan.solution.choice, plan.lmesh
   sizes = dict(zip(lmesh.axis_names, lmesh.shape))
 
+  sliced = _sliced_by_every_reader(graph, choice, sizes)
+
   def size(v):
     if v in graph.producer:
-      return nbytes(v) / num_shards(graph.spec_of(v, choice), sizes)
+      return nbytes(v) / sliced.get(v, num_shards(graph.spec_of(v, choice), sizes))
     return nbytes(v)
 
   jaxpr = result.step.closed_jaxpr.jaxpr
@@ -1056,6 +1058,36 @@ def _shard_parallel(planned):
     timeline.add(("collective", k, kind, len(timeline.buffers)), pos, pos, b)
   temps = _parts(timeline, labels, _forward_end(timeline, marker))
   return _Work(temps, _planned_flops(plan), written, kernels=kernels)
+
+
+def _sliced_by_every_reader(graph, choice, sizes) -> dict:
+  """Replicated elementwise results that every reader takes split (a slice, no
+  communication), or feeds into another such result → the fewest shards a reader takes.
+  XLA computes only the slice: it pushes the slice up into the elementwise fusions (a
+  ViT's position add and first LayerNorm planned replicated, read split by the attention:
+  four replicated [32,17,128] values counted, XLA kept only the embedding's concatenation
+  whole; ShardParallel 1.17x of XLA's bytes)."""
+  readers = collections.defaultdict(list)
+  for flow in graph.flows:
+    if not flow.tied:
+      readers[(flow.src, flow.pos)].append(flow)
+  out = {}
+  for v, (k, pos) in sorted(graph.producer.items(), key=lambda item: -item[1][0]):
+    eqn = graph.nodes[k].eqn
+    if (eqn is None or eqn.primitive.name not in ELEMENTWISE
+        or num_shards(graph.spec_of(v, choice), sizes) > 1 or not readers.get((k, pos))):
+      continue
+    taken = []
+    for flow in readers[(k, pos)]:
+      dst = graph.nodes[flow.dst].eqn
+      if dst is not None and len(dst.outvars) == 1 and dst.outvars[0] in out:
+        taken.append(out[dst.outvars[0]])  # (an elementwise reader computed sliced)
+      else:
+        spec = flow.required[choice[graph.nodes[flow.dst].group]]
+        taken.append(1 if spec is None else num_shards(spec, sizes))
+    if min(taken) > 1:
+      out[v] = min(taken)
+  return out
 
 
 def _early_copies(result, timeline: Timeline, marker) -> list[tuple[int, float, set]]:
