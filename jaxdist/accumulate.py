@@ -328,6 +328,14 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
       {grad_jaxpr.invars[i] for i, leaf in enumerate(step.inputs) if leaf.role == PARAM})
   weighted = [normalizer is not None and kind != "aux" for kind in split.kinds]
   scales = part_scales(step, split, k * num_shards)
+  # An integer output that no batch value reaches (nnx's rng counter in the module state it
+  # returns as aux) is the same in every micro-batch and on every device: kept as it is.
+  # Summed, as a count over the batch is, it came out k x devices times too large.
+  marker = step.closed_jaxpr.jaxpr.eqns[step.marker_index]
+  batch_mask = sum(1 << i for i, leaf in enumerate(step.inputs) if leaf.role == BATCH)
+  as_is = {j for j, (v, d) in enumerate(zip(marker.invars, jaxpr_util.dependencies(
+               jaxpr, len(step.inputs), marker.invars)))
+           if not d & batch_mask and not jnp.issubdtype(v.aval.dtype, jnp.inexact)}
 
   def grads_one(values):
     restart(next((x for x, b in zip(values, is_batch)
@@ -335,8 +343,12 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
     env = dict(zip(grad_jaxpr.constvars, split.grad_jaxpr.consts))
     env.update((grad_jaxpr.invars[i], x) for i, x in zip(split.grad_inputs, values))
     jaxpr_util.eval_eqns(grad_jaxpr, env, split.grad_eqns, after=grad_after, before=grad_before)
-    # (as arrays: a literal, an aux of 1.0, is a Python number)
-    outs = [jnp.asarray(jaxpr_util.read(env, v), v.aval.dtype) for v in grad_marker_eqn.invars]
+    # (as arrays: a literal, an aux of 1.0, is a Python number). An input returned as it
+    # came in that nothing else reads (an unused module's parameter in nnx's aux) is not
+    # an input of the region: a stand-in here, the input itself after it (``passed``).
+    outs = [jnp.zeros(v.aval.shape, v.aval.dtype) if j in passed and v not in env
+            else jnp.asarray(jaxpr_util.read(env, v), v.aval.dtype)
+            for j, v in enumerate(grad_marker_eqn.invars)]
     if normalizer is None:
       return outs, jnp.float32(0)
     d = jaxpr_util.read(env, normalizer)
@@ -388,8 +400,8 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
                              for i, (x, b) in enumerate(zip(values, is_batch))])
         rows = [o for o, e in zip(outs, per_example) if e]  # collected, not summed
         outs = [(j, o) for j, (o, e) in enumerate(zip(outs, per_example)) if not e]
-        return ([a if j in passed else a + o for a, (j, o) in zip(acc[0], outs)],
-                acc[1] + d), rows
+        return ([a if j in passed else o if j in as_is else a + o
+                 for a, (j, o) in zip(acc[0], outs)], acc[1] + d), rows
 
       init = [jnp.zeros(v.aval.shape, v.aval.dtype)
               for v, e in zip(grad_marker_eqn.invars, per_example) if not e]
@@ -402,7 +414,7 @@ def split_step_fn(step: TracedStep, mesh, batch_axes: tuple[str, ...], num_micro
       weight = jax.lax.psum(weight, axes)
     reduced = []
     for j, (x, spec) in enumerate(zip(sums, reduce_specs)):
-      if per_example[j]:  # this device's rows, in batch order
+      if per_example[j] or j in as_is:  # this device's rows, in batch order; or as it is
         reduced.append(x)
         continue
 

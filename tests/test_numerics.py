@@ -90,6 +90,51 @@ def test_nnx_modules_passed_as_pytrees(method):
   assert not [line for line in exe.check_communication() if "DIFFERS" in line]
 
 
+class _NnxDropoutNet(nnx.Module):
+  """Dropout drawn from the module's own rng stream (its counter in the state nnx returns
+  as aux), and a module the forward never calls (its parameters only passed through)."""
+
+  def __init__(self, rngs):
+    self.dense = nnx.Linear(32, 64, rngs=rngs)
+    self.unused = nnx.LayerNorm(64, rngs=rngs)
+    self.drop = nnx.Dropout(0.1, rngs=rngs)
+    self.head = nnx.Linear(64, 8, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(self.drop(nnx.relu(self.dense(x))))
+
+
+@pytest.mark.parametrize("method", [
+    jd.DataParallel(), jd.Zero3Parallel(num_micro_batches=2),
+    jd.ShardParallel(logical_mesh_shape=(2, 4), num_micro_batches=2),
+    jd.PipeshardParallel(num_micro_batches=2)],
+    ids=["dp", "zero3-k2", "shard-k2", "pipeline-k2"])
+def test_nnx_rng_counter_and_unused_parameters_pass_through(method):
+  """Before, DataParallel and ZeRO raised KeyError on the unused module's parameters (read
+  by nothing but the aux), and the rng counter, an integer, was summed over devices and
+  micro-batches (8 and 2 for 1): each is now returned as it came out of one micro-batch."""
+  def fresh():
+    model = _NnxDropoutNet(nnx.Rngs(0, dropout=1))
+    return model, nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)
+
+  batch = models.regression_batch(32, 32)
+
+  def step(model, optimizer, batch):
+    def loss_fn(model):
+      return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return model, optimizer, loss
+
+  keys = lambda tree: jax.tree.map(
+      lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x,
+      tree)
+  expected = to_host(keys(jax.jit(step)(*fresh(), batch)))
+  got = jd.parallelize(step, method=method, batch_argnums=(2,))(*fresh(), batch)
+  assert_trees_close(to_host(keys(got)), expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("method_cls", METHODS)
 def test_adam_mlp(method_cls):
   lr = 1e-3

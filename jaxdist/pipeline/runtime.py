@@ -1182,6 +1182,8 @@ class PipelineExecutable:
         grads[pos] = g if pos not in grads else grads[pos] + g
     results = []
     passed = {v: p for p, v in enumerate(jaxpr.invars)}
+    batch = sum(1 << p for p, b in enumerate(self._batch_operand) if b)
+    deps = jaxpr_util.dependencies(jaxpr, len(jaxpr.invars), jaxpr.outvars)
     for i, kind in enumerate(loss.kinds):
       if kind == capture.GRAD:
         pos = loss.num_consts + i - 1 - num_aux
@@ -1208,7 +1210,9 @@ class PipelineExecutable:
         continue
       total = sum(parts[1:], parts[0])
       if not jnp.issubdtype(total.dtype, jnp.inexact):
-        results.append(total)
+        # (a count over the batch is summed; an integer no batch value reaches, nnx's rng
+        # counter in the module state it returns as aux, is the same in every micro-batch)
+        results.append(total if deps[i] & batch else parts[0])
       else:
         results.append(total / k if self._scales[i] is None else total * self._scales[i])
     return results
