@@ -61,6 +61,17 @@ def test_nnx(method_cls):
   assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6)
 
 
+def _nnx_step(model, optimizer, batch):
+  """The model and its nnx.Optimizer passed as they are, ``nnx.value_and_grad`` over the
+  model, both updated in place and returned."""
+  def loss_fn(model):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+  loss, grads = nnx.value_and_grad(loss_fn)(model)
+  optimizer.update(model, grads)
+  return model, optimizer, loss
+
+
 @pytest.mark.parametrize("method", [
     jd.DataParallel(), jd.Zero2Parallel(), jd.Zero3Parallel(num_micro_batches=2),
     jd.ShardParallel(logical_mesh_shape=(2, 4), num_micro_batches=2)],
@@ -75,16 +86,8 @@ def test_nnx_modules_passed_as_pytrees(method):
   optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
   batch = models.regression_batch(32, 32)
 
-  def step(model, optimizer, batch):
-    def loss_fn(model):
-      return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
-
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    optimizer.update(model, grads)
-    return model, optimizer, loss
-
-  expected = to_host(jax.jit(step)(model, optimizer, batch))
-  f = jd.parallelize(step, method=method, batch_argnums=(2,))
+  expected = to_host(jax.jit(_nnx_step)(model, optimizer, batch))
+  f = jd.parallelize(_nnx_step, method=method, batch_argnums=(2,))
   assert_trees_close(to_host(f(model, optimizer, batch)), expected, rtol=1e-5, atol=1e-6)
   exe = f.get_executable(model, optimizer, batch)
   assert not [line for line in exe.check_communication() if "DIFFERS" in line]
@@ -119,19 +122,11 @@ def test_nnx_rng_counter_and_unused_parameters_pass_through(method):
 
   batch = models.regression_batch(32, 32)
 
-  def step(model, optimizer, batch):
-    def loss_fn(model):
-      return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
-
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    optimizer.update(model, grads)
-    return model, optimizer, loss
-
   keys = lambda tree: jax.tree.map(
       lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x,
       tree)
-  expected = to_host(keys(jax.jit(step)(*fresh(), batch)))
-  got = jd.parallelize(step, method=method, batch_argnums=(2,))(*fresh(), batch)
+  expected = to_host(keys(jax.jit(_nnx_step)(*fresh(), batch)))
+  got = jd.parallelize(_nnx_step, method=method, batch_argnums=(2,))(*fresh(), batch)
   assert_trees_close(to_host(keys(got)), expected, rtol=1e-5, atol=1e-6)
 
 
