@@ -130,6 +130,17 @@ def dropout_key_step():
   return step, make_state, batch
 
 
+def clip_loss(a, b):
+  """CLIP's loss over two batches of embeddings: each example's pair is its positive, the
+  batch's other examples its negatives."""
+  a = a / jnp.linalg.norm(a, axis=-1, keepdims=True)
+  b = b / jnp.linalg.norm(b, axis=-1, keepdims=True)
+  logits = 10.0 * a @ b.T
+  labels = jnp.arange(logits.shape[0])
+  return (optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+          + optax.softmax_cross_entropy_with_integer_labels(logits.T, labels).mean()) / 2
+
+
 def contrastive():
   """(step, make_state, batch): two linear encoders trained with a CLIP-style loss over
   the batch's similarity matrix (every example is a negative of every other: the step
@@ -146,13 +157,7 @@ def contrastive():
 
   def step(state, batch):
     def loss_fn(params):
-      a, b = batch["a"] @ params["a"], batch["b"] @ params["b"]
-      a = a / jnp.linalg.norm(a, axis=-1, keepdims=True)
-      b = b / jnp.linalg.norm(b, axis=-1, keepdims=True)
-      logits = 10.0 * a @ b.T
-      labels = jnp.arange(logits.shape[0])
-      return (optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-              + optax.softmax_cross_entropy_with_integer_labels(logits.T, labels).mean()) / 2
+      return clip_loss(batch["a"] @ params["a"], batch["b"] @ params["b"])
 
     loss, grads = jd.value_and_grad(loss_fn)(state["params"])
     updates, opt = tx.update(grads, state["opt"], state["params"])

@@ -13,7 +13,7 @@ from jaxdist import errors, jaxpr_util, models
 from jaxdist.bench import wresnet
 from jaxdist.coupling import batch_coupling, normalizer_of
 from jaxdist.trace import trace_step
-from helpers import assert_trees_close, serial, to_host
+from helpers import assert_trees_close, clip_loss, serial, to_host
 
 CONFIG = wresnet.WResNetConfig(image_size=8, base_width=4, width_factor=2)
 
@@ -451,13 +451,7 @@ def test_a_branch_that_centers_on_the_batch_couples_examples():
 
 def _contrastive_loss(params, batch):
   """CLIP's loss: each image's text is the positive, the batch's other texts negatives."""
-  zi, zt = jnp.tanh(batch["img"] @ params["wi"]), jnp.tanh(batch["txt"] @ params["wt"])
-  zi = zi / jnp.linalg.norm(zi, axis=-1, keepdims=True)
-  zt = zt / jnp.linalg.norm(zt, axis=-1, keepdims=True)
-  logits = 10.0 * zi @ zt.T
-  labels = jnp.arange(logits.shape[0])
-  return (optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-          + optax.softmax_cross_entropy_with_integer_labels(logits.T, labels).mean()) / 2
+  return clip_loss(jnp.tanh(batch["img"] @ params["wi"]), jnp.tanh(batch["txt"] @ params["wt"]))
 
 
 @pytest.mark.parametrize("method", [jd.DataParallel, jd.Zero2Parallel, jd.Zero3Parallel,
